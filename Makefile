@@ -1,0 +1,25 @@
+# The two set-up commands. Both work on a fresh machine with no network beyond PyPI.
+.PHONY: run test install install-dev clean
+
+VENV := .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml scripts/install.sh
+	bash scripts/install.sh dev
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+run: $(VENV)/.installed
+	$(VENV)/bin/distlm demo
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,245 @@
+"""`distlm <verb>`: each verb is a plain function; argparse only maps flags onto it.
+
+    distlm prepare INPUT... --out DIR
+    distlm train [--config FILE_OR_PRESET] [section.key=value ...]
+    torchrun --nproc_per_node 4 -m distlm train parallel.dp_shard=4 ...
+    distlm eval --checkpoint RUN_OR_CKPT
+    distlm generate --checkpoint RUN_OR_CKPT --prompt TEXT
+    distlm plot RUN... [--out loss.png]
+    distlm demo
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from distlm.config import ConfigError, list_presets, load_config
+
+TRAIN_HELP = """\
+Train a GPT. Settings come from the defaults, then --config (a YAML file or a preset
+name), then dotted overrides such as model=gpt2-124m data.dir=DIR train.max_steps=200.
+Presets: {presets}.
+
+Metrics: tokens/s is global; MFU = tokens/s per device x FLOPs/token / peak, with
+FLOPs/token = 6N + 12*L*d*T (N non-embedding params incl. the head, L layers, d width,
+T context) and the peak dense bf16 TFLOP/s looked up by device name (H100 SXM 989,
+H100 PCIe 756, H200 989, A100 312, ...) or set with log.peak_tflops. Unknown peak -> n/a.
+"""
+
+
+def cmd_prepare(args) -> int:
+    from distlm.data.prepare import prepare
+    m = prepare(args.inputs, Path(args.out), tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                seed=args.seed, workers=args.workers, separator=args.separator, text_field=args.text_field,
+                progress=not args.quiet)
+    splits = m["splits"]
+    print(f"prepared {args.out}: train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens, "
+          f"tokenizer {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']})")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from distlm.train.trainer import Trainer
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    if trainer.dims.is_main:
+        print(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, checkpoint {summary['checkpoint']}")
+    _shutdown()
+    return 0
+
+
+def _shutdown():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def cmd_eval(args) -> int:
+    import torch
+    from distlm.data.loader import TokenBlocks, val_micro_batches
+    from distlm.data.prepare import load_manifest
+    from distlm.inference import load_model
+    from distlm.model.loss import lm_loss
+    from distlm.train.trainer import resolve_device
+    device = resolve_device(args.device)
+    model, cfg, folder = load_model(args.checkpoint, device)
+    data_dir = Path(args.data or cfg.data.dir or "")
+    manifest = load_manifest(data_dir)
+    if int(manifest["tokenizer"]["vocab_size"]) > cfg.model.vocab_size:
+        raise ConfigError(f"{data_dir}: vocabulary {manifest['tokenizer']['vocab_size']} does not fit the model's "
+                          f"{cfg.model.vocab_size} (data and checkpoint use different tokenizers)")
+    blocks = TokenBlocks(data_dir, args.split, cfg.model.block_size, manifest)
+    batches = val_micro_batches(blocks, args.batches, cfg.train.micro_batch_size)
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            total += float(lm_loss(model(x.to(device)), y.to(device)))
+    loss = total / len(batches)
+    result = {"checkpoint": str(folder), "data": str(data_dir), "split": args.split, "loss": loss,
+              "perplexity": math.exp(loss), "tokens": sum(x.numel() for x, _ in batches)}
+    print(json.dumps(result) if args.json else
+          f"{folder}: {args.split} loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {result['tokens']:,} tokens")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from distlm.inference import load_model, load_run_tokenizer
+    from distlm.model.generate import SamplingConfig, generate_text
+    from distlm.train.trainer import resolve_device
+    device = resolve_device(args.device)
+    model, cfg, folder = load_model(args.checkpoint, device)
+    tok = load_run_tokenizer(folder, cfg)
+    sc = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                        top_p=args.top_p, seed=args.seed)
+    if args.prompts_file:
+        return _generate_batch(model, tok, sc, args)
+    if args.interactive:
+        return _repl(model, tok, sc, args)
+    if args.prompt is None:
+        raise ConfigError("give --prompt TEXT, --prompts-file FILE --out F.jsonl, or --interactive")
+    _print_samples(model, tok, sc, args.prompt, args.num_samples, stream=not args.no_stream)
+    return 0
+
+
+def _print_samples(model, tok, sc, prompt: str, n: int, stream: bool) -> list[str]:
+    from distlm.model.generate import generate_text
+    if stream and n == 1:
+        sys.stdout.write(prompt)
+        texts = generate_text(model, tok, prompt, sc, 1, on_token=lambda i, piece: (sys.stdout.write(piece),
+                                                                                     sys.stdout.flush()))
+        sys.stdout.write("\n")
+        return texts
+    texts = generate_text(model, tok, prompt, sc, n)
+    for i, t in enumerate(texts):
+        print(f"--- sample {i + 1} ---\n{prompt}{t}")
+    return texts
+
+
+def _generate_batch(model, tok, sc, args) -> int:
+    from distlm.model.generate import generate_text
+    from distlm.train.checkpoint import atomic_write_text
+    src = Path(args.prompts_file)
+    if not src.is_file():
+        raise ConfigError(f"--prompts-file {src}: no such file")
+    prompts = [line.rstrip("\n") for line in src.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts-file {src}: no prompts in it")
+    if not args.out:
+        raise ConfigError("--prompts-file needs --out F.jsonl")
+    lines = []
+    for i, prompt in enumerate(prompts):
+        texts = generate_text(model, tok, prompt, sc, args.num_samples)
+        lines.append(json.dumps({"index": i, "prompt": prompt, "completions": texts, "seed": sc.seed}))
+    atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
+    print(f"wrote {len(lines)} prompts x {args.num_samples} samples to {args.out}")
+    return 0
+
+
+def _repl(model, tok, sc, args) -> int:
+    print("interactive: type a prompt and press enter; an empty line or Ctrl-D quits")
+    while True:
+        try:
+            prompt = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not prompt:
+            return 0
+        _print_samples(model, tok, sc, prompt, args.num_samples, stream=True)
+
+
+def cmd_plot(args) -> int:
+    from distlm.train.plot import plot_runs
+    out = plot_runs([Path(r) for r in args.runs], Path(args.out))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from distlm.demo import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distlm", description="Train GPT-style language models from scratch, "
+                                "from one CPU to many GPUs (torch.distributed).")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    s = sub.add_parser("prepare", help="tokenize text into token shards + manifest",
+                       description="Tokenize INPUT files (txt, folders, globs, jsonl, parquet, HF save_to_disk "
+                       "folders, gzip, tar, or nanoGPT/llm.c train.bin+val.bin) into uint16/uint32 shards.")
+    s.add_argument("inputs", nargs="+", metavar="INPUT")
+    s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or bpe:N to train an N-token byte-level BPE")
+    s.add_argument("--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the per-document split")
+    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    s.add_argument("--separator", default=None, help="split files into documents on this string")
+    s.add_argument("--text-field", default="text", help="text column of jsonl/parquet/arrow inputs")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_prepare)
+
+    s = sub.add_parser("train", help="train a model", description=TRAIN_HELP.format(presets=", ".join(list_presets())),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--config", default=None, help="YAML file or preset name")
+    s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    s.add_argument("--checkpoint", required=True, metavar="RUN_OR_CKPT")
+    s.add_argument("--data", default=None, help="data folder (default: the one the run trained on)")
+    s.add_argument("--split", default="val", choices=["val", "train"])
+    s.add_argument("--batches", type=int, default=50, help="micro-batches to average over")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(fn=cmd_eval)
+
+    s = sub.add_parser("generate", help="sample text from a checkpoint (KV cache)")
+    s.add_argument("--checkpoint", required=True, metavar="RUN_OR_CKPT")
+    s.add_argument("--prompt", default=None)
+    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=200, help="0 = off")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--num-samples", type=int, default=1)
+    s.add_argument("--prompts-file", default=None, help="one prompt per line; writes --out F.jsonl")
+    s.add_argument("--out", default=None)
+    s.add_argument("--interactive", action="store_true", help="a prompt loop")
+    s.add_argument("--no-stream", action="store_true", help="print samples when complete")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("plot", help="draw loss curves of runs into one PNG")
+    s.add_argument("runs", nargs="+", metavar="RUN")
+    s.add_argument("--out", default="loss.png")
+    s.set_defaults(fn=cmd_plot)
+
+    s = sub.add_parser("demo", help="offline end-to-end demo on the vendored Gutenberg corpus (make run)")
+    s.add_argument("--root", default="runs", help="where the run folder goes")
+    s.add_argument("--data-root", default="data", help="where prepared data is cached")
+    s.add_argument("--max-steps", type=int, default=None, help="override the demo's step count")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from distlm.data import DataError
+    from distlm.train.checkpoint import CheckpointError
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""One typed config tree (model / data / train / parallel / log).
+
+Loaded from YAML, overridden by dotted ``key=value`` strings, validated with the
+offending field and value named. ``model=NAME`` (or ``--config NAME``) picks a
+preset from ``configs/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A user-facing config problem; the message names the field and value."""
+
+
+def choice(default, *options, help=""):
+    return field(default=default, metadata={"choices": options, "help": help})
+
+
+def doc(default, help=""):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = doc(2, "transformer blocks")
+    n_head: int = doc(4, "attention heads")
+    d_model: int = doc(128, "residual width")
+    d_ff: int = doc(512, "MLP hidden width")
+    block_size: int = doc(128, "context length in tokens")
+    vocab_size: Optional[int] = doc(None, "null = take it from the data manifest")
+    vocab_pad_multiple: int = doc(64, "embedding rows are padded to a multiple of this for speed")
+    position: str = choice("sinusoidal", "sinusoidal", "learned", "rope")
+    norm: str = choice("layernorm", "layernorm", "rmsnorm")
+    mlp: str = choice("gelu", "gelu", "swiglu")
+    tie_embeddings: bool = True
+    bias: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_pad_multiple
+        return -(-self.vocab_size // m) * m
+
+
+@dataclass
+class DataConfig:
+    dir: Optional[str] = doc(None, "a folder written by `distlm prepare`")
+    source: str = choice("tokens", "tokens", "synthetic", help="synthetic = random tokens, for benchmarks")
+    verify_checksums: bool = doc(True, "check shard sha256 against the manifest at start-up")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1337
+    max_steps: int = 200
+    global_batch_size: int = doc(32, "sequences per optimizer step, fixed whatever the world size")
+    micro_batch_size: int = doc(8, "sequences per forward pass per data-parallel rank")
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 20
+    decay: str = choice("linear", "linear", "cosine", "wsd", "constant")
+    wsd_decay_fraction: float = doc(0.2, "WSD: the last fraction of steps that decays")
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = doc(1.0, "max global grad norm; 0 disables")
+    eval_every: int = doc(100, "steps between validation passes; 0 = only at the end")
+    eval_batches: int = doc(20, "micro-batches per validation pass")
+    checkpoint_every: int = doc(0, "steps between checkpoints; 0 = only at the end")
+    keep_last: int = doc(2, "checkpoints kept besides the best")
+    resume: str = doc("never", "never | auto (newest complete checkpoint) | PATH")
+    device: str = choice("auto", "auto", "cpu", "cuda")
+    dtype: str = choice("auto", "auto", "fp32", "bf16", help="auto = bf16 autocast on CUDA, fp32 on CPU")
+    compile: bool = doc(False, "torch.compile each block")
+    time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = doc(1, "DDP degree (replicas)")
+    dp_shard: int = doc(1, "FSDP2 degree (shards)")
+    tp: int = doc(1, "tensor-parallel degree")
+    pp: int = doc(1, "pipeline-parallel degree")
+    reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
+    mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only)")
+    cpu_offload: bool = False
+    ddp_bucket_mb: int = 25
+    activation_checkpoint: str = choice("none", "none", "full", "selective")
+    timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
+
+
+@dataclass
+class LogConfig:
+    root: str = doc("runs", "run directories live under this folder")
+    name: Optional[str] = doc(None, "run name; default: a timestamp")
+    every: int = doc(10, "steps between console/CSV/TensorBoard rows")
+    tensorboard: bool = True
+    wandb: bool = doc(False, "log to Weights & Biases when it is installed")
+    wandb_project: str = "distlm"
+    progress: bool = doc(True, "show a progress bar")
+    peak_tflops: float = doc(0.0, "override the device's peak bf16 TFLOP/s for MFU (0 = look it up)")
+    samples: int = doc(3, "text samples generated at the end of training")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _preset_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        return p
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset '{name}'{_suggest(name, list_presets())}; presets: {', '.join(list_presets())}")
+    return path
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        typ = args[0]
+    if typ is bool:
+        if isinstance(value, bool):
+            out = value
+        elif isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            out = True
+        elif isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            out = False
+        else:
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    elif typ is int:
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    elif typ is float:
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    else:
+        out = str(value)
+    choices = f.metadata.get("choices")
+    if choices and out not in choices:
+        raise ConfigError(f"{key}: {out!r} is not one of {', '.join(choices)}{_suggest(str(out), choices)}")
+    return out
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
+    sub = getattr(cfg, section)
+    fields = _field_types(type(sub))
+    if key not in fields:
+        raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
+    typ, f = fields[key]
+    setattr(sub, key, _coerce(f"{section}.{key}", value, typ, f))
+
+
+def _merge_dict(cfg: Config, data: dict, origin: str) -> None:
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown config section '{section}'{_suggest(section, SECTIONS)}")
+        if section == "model" and isinstance(values, str):
+            _merge_dict(cfg, {"model": _read_yaml(_preset_path(values)).get("model", {})}, values)
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping, got {values!r}")
+        for key, value in values.items():
+            _apply(cfg, section, key, value)
+
+
+def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
+    """Build the config: defaults <- FILE or preset <- dotted overrides, then validate."""
+    cfg = Config()
+    if config:
+        path = _preset_path(config)
+        _merge_dict(cfg, _read_yaml(path), str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. train.max_steps=100)")
+        key, value = item.split("=", 1)
+        if key == "model":  # model=PRESET swaps in a preset's architecture
+            _merge_dict(cfg, {"model": value}, item)
+            continue
+        if "." not in key:
+            raise ConfigError(f"override '{item}': key must be section.field{_suggest(key, SECTIONS)}")
+        section, name = key.split(".", 1)
+        _apply(cfg, section, name, yaml.safe_load(value) if value else value)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config saved with a run or checkpoint."""
+    cfg = Config()
+    _merge_dict(cfg, data, "saved config")
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    positive = {"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.d_model": m.d_model,
+                "model.d_ff": m.d_ff, "model.block_size": m.block_size, "train.max_steps": t.max_steps,
+                "train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,
+                "parallel.dp_replicate": p.dp_replicate, "parallel.dp_shard": p.dp_shard,
+                "parallel.tp": p.tp, "parallel.pp": p.pp, "log.every": cfg.log.every}
+    for key, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{key} must be positive, got {v}")
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.position=rope needs an even head dim, got {m.head_dim}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size must be positive, got {m.vocab_size}")
+    dp = p.dp_replicate * p.dp_shard
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel degree {dp}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+    if t.resume not in ("never", "auto") and not Path(t.resume).exists():
+        raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,236 @@
+"""A decoder-only GPT as a plain nn.Module. Imports only torch and the config.
+
+Every option (positions, norm, MLP, tying, bias, dropout) is a config field; the
+model never asks which rank or device it is on. Parallelism is applied to it from
+outside (distlm.parallel). It can be built on the meta device and initialised
+after sharding with ``init_weights()``.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def sinusoid_table(length: int, dim: int, device=None) -> torch.Tensor:
+    """The fixed table of 'Attention Is All You Need': sin on even, cos on odd columns."""
+    pos = torch.arange(length, dtype=torch.float32, device=device)[:, None]
+    inv = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device) * (-math.log(10000.0) / dim))
+    table = torch.zeros(length, dim, device=device)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv[: dim // 2])
+    return table
+
+
+def rope_tables(length: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate-half layout (pairs are (i, i + hd/2)), the convention Llama checkpoints use,
+    # so export to LlamaForCausalLM needs no permutation. x: (B, T, H, hd).
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        # Separate q/k/v projections: tensor parallelism can then shard each by columns
+        # without interleaving heads of q, k and v.
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope=None, cache=None, start_pos: int = 0):
+        B, T, _ = x.shape
+        # -1 for the head count: under TP each rank holds only its local heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.update(k, v, start_pos)
+            if start_pos > 0:
+                causal = False
+                if T > 1:  # a chunk after a prefix: query i sees keys up to start_pos + i
+                    mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(start_pos)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+            dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_drop(self.wo(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        if self.swiglu:
+            h = F.silu(self.w_gate(x)) * self.w_in(x)
+        else:
+            h = F.gelu(self.w_in(x), approximate="tanh")  # GPT-2's gelu
+        return self.drop(self.w_out(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, cache=None, start_pos: int = 0):
+        x = x + self.attn(self.attn_norm(x), rope, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, padded_vocab). The loss lives outside (distlm.model.loss)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("model.vocab_size must be set before building the model")
+        self.cfg = cfg
+        V = cfg.padded_vocab_size
+        self.tok_emb = nn.Embedding(V, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        # A ModuleDict keyed "0".."L-1": pipeline stages delete the blocks they do not
+        # own and the rest keep their fully-qualified names, so checkpoints stay layout-free.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.d_model, V, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        # Fixed tables are non-persistent buffers: derived from the config, never checkpointed.
+        self.register_buffer("sinusoid", torch.empty(0), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_buffers(self, device=None):
+        cfg = self.cfg
+        device = device or self.tok_emb.weight.device
+        if cfg.position == "sinusoidal":
+            self.sinusoid = sinusoid_table(cfg.block_size, cfg.d_model, device)
+        elif cfg.position == "rope":
+            self.rope_cos, self.rope_sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_theta, device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, device=None):
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L), zero biases,
+        unit norm weights.
+
+        Each parameter is drawn whole from its own generator, seeded by (seed, name), and
+        each rank keeps only its shard of it. So the initial model is the same on one
+        process, under DDP, FSDP2 or TP, which is what lets those layouts be compared to a
+        single-process reference. Only one parameter at a time is ever whole. Called after
+        ``to_empty`` when the model was built on the meta device.
+        """
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            leaf = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+            if leaf.endswith("bias"):
+                full = torch.zeros(p.shape)
+            elif leaf.endswith("norm.weight"):
+                full = torch.ones(p.shape)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(leaf.encode()))
+                s = resid_std if leaf.endswith(("wo.weight", "w_out.weight")) else std
+                full = torch.empty(p.shape).normal_(0.0, s, generator=gen)
+            _copy_shard(p, full)
+        self.init_buffers(device)
+
+    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.tok_emb(idx) if self.tok_emb is not None else idx
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start_pos, start_pos + T, device=idx.device))
+        elif self.cfg.position == "sinusoidal" and self.sinusoid.numel():
+            x = x + self.sinusoid[start_pos:start_pos + T].to(x.dtype)
+        rope = None
+        if self.cfg.position == "rope":
+            rope = (self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T])
+        x = self.drop(x)
+        for i, block in self.blocks.items():
+            x = block(x, rope, cache.layer(int(i)) if cache is not None else None, start_pos)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters without padding rows. non_embedding drops token/position tables
+        but keeps the (possibly tied) head, as in the FLOPs formula 6N."""
+        cfg = self.cfg
+        n = sum(p.numel() for p in self.parameters())
+        pad_rows = cfg.padded_vocab_size - cfg.vocab_size
+        n -= pad_rows * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+        if non_embedding:
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+            if not cfg.tie_embeddings:
+                n -= cfg.vocab_size * cfg.d_model  # the input table; the head stays
+        return n
+
+
+def _copy_shard(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy into p its own piece of the whole tensor ``full`` (p may be a DTensor)."""
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
+        local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        p.to_local().copy_(local)
+    else:
+        p.copy_(full)
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    """6N + 12*L*d*T (PaLM appendix B): matmul FLOPs of forward+backward per token,
+    attention scores included, no causal halving. N = non-embedding params + head."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.block_size

@@ -1,0 +1,80 @@
+"""The topology object: degrees, one DeviceMesh with named axes, this rank's place.
+
+Passed explicitly to whatever needs it; never held as a global.
+Launch: ``torchrun --nproc_per_node 4 -m distlm train parallel.dp_shard=4``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from distlm.config import ConfigError, ParallelConfig
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    mesh: Optional[object] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"x pp={self.pp} = {product}, but the world size is {self.world_size}")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        if self.mesh is None or self.dp_size == 1:
+            return 0
+        return self.mesh["dp"].get_local_rank()
+
+    def build_mesh(self, device_type: str):
+        """One mesh, axes (pp, dp_replicate, dp_shard, tp); size-1 axes are kept so
+        every layout addresses the same names. 'dp' flattens the two data axes."""
+        from torch.distributed.device_mesh import init_device_mesh
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return self.mesh
+
+
+def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
+    """Read torchrun's environment; start the process group with a short timeout."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dims = ParallelDims(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, world, rank, local_rank)
+    if world > 1:
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                                    device_id=torch.device("cuda", local_rank) if device_type == "cuda" else None)
+        dims.build_mesh(device_type)
+    return dims

@@ -1,0 +1,57 @@
+"""Gradient utilities that work on plain tensors and on DTensors of mixed meshes."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool):
+    """Skip the data-parallel gradient reduction on accumulation micro-steps.
+
+    DDP spells it ``no_sync()``; FSDP2 ``set_requires_gradient_sync``. The update
+    micro-step (enabled=True) reduces everything accumulated so far, once.
+    """
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Global L2 norm over all gradients, then scale them down to max_norm if above.
+
+    ``torch.nn.utils.clip_grad_norm_`` raises when some gradients are DTensors on a
+    2-D (dp, tp) mesh and others on the dp mesh alone: their norms cannot be stacked.
+    So: group by mesh, take each group's norm as a full (replicated) value, combine.
+    Returns the norm before clipping. max_norm <= 0 only measures.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for mesh, ps in groups.items():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0, foreach=True)
+        if hasattr(n, "full_tensor"):
+            n = n.full_tensor()
+        norms.append(n.float())
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
+    if max_norm > 0:
+        for mesh, ps in groups.items():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,170 @@
+"""Checkpoints as distributed state dicts (torch.distributed.checkpoint).
+
+Layout of one checkpoint, ``RUN/checkpoints/step_0000100/``:
+  .metadata, __*_*.distcp   DCP: model + optimizer, keyed by fully-qualified names,
+                            so any layout (1 process, DDP, FSDP2, TP) can load it
+  rng/rank_00000.pt         each rank's RNG state (dropout)
+  distlm.json               written last: step, tokens, loader state, config, val loss
+
+It is written to ``.tmp-step_*`` and renamed into place only when complete, so a
+``step_*`` folder without ``distlm.json`` never exists unless something outside
+distlm tore it; such folders are reported and skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
+
+MARKER = "distlm.json"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    ckpt_root = Path(ckpt_root)
+    final = ckpt_root / f"step_{step:07d}"
+    tmp = ckpt_root / f".tmp-step_{step:07d}"
+    if _rank() == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / "rng" / f"rank_{_rank():05d}.pt")
+    _barrier()
+    if _rank() == 0:
+        atomic_write_text(tmp / MARKER, json.dumps({**meta, "step": step, "complete": True}, indent=1))
+        trash = ckpt_root / f".old-step_{step:07d}"
+        if final.exists():  # re-saving a step: move the old one aside first, never delete before
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+        shutil.rmtree(trash, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def read_meta(ckpt: Path) -> dict:
+    try:
+        return json.loads((Path(ckpt) / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}: not a complete distlm checkpoint ({e.__class__.__name__})") from None
+
+
+def list_checkpoints(ckpt_root: Path) -> tuple[list[Path], list[Path]]:
+    """(complete checkpoints oldest first, torn folders)."""
+    complete, torn = [], []
+    if not Path(ckpt_root).is_dir():
+        return complete, torn
+    for p in sorted(Path(ckpt_root).iterdir()):
+        if p.name.startswith("step_") and (p / MARKER).is_file():
+            complete.append(p)
+        elif p.name.startswith(("step_", ".tmp-step_")):
+            torn.append(p)
+    return complete, torn
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (its newest complete checkpoint)."""
+    p = Path(path)
+    if (p / MARKER).is_file():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    complete, _ = list_checkpoints(root)
+    if not complete:
+        raise CheckpointError(f"no complete checkpoint under {p}")
+    return complete[-1]
+
+
+def _check_shapes(ckpt: Path, prefix: str, state: dict) -> None:
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    for key, value in state.items():
+        full = f"{prefix}.{key}"
+        if full not in md:
+            raise CheckpointError(f"{ckpt}: has no '{key}' that this model needs (a different architecture?)")
+        saved = tuple(getattr(md[full], "size", ()))
+        want = tuple(value.shape) if hasattr(value, "shape") else ()
+        if saved != want:
+            raise CheckpointError(f"{ckpt}: '{key}' has shape {list(saved)} but the model expects {list(want)}")
+
+
+def load_checkpoint(ckpt: Path, model, optimizer=None) -> dict:
+    """Collective. Loads in place into whatever layout the model/optimizer now have."""
+    meta = read_meta(ckpt)
+    if optimizer is None:
+        opts = StateDictOptions()
+        model_sd = get_state_dict(model, [], options=opts)[0]
+        _check_shapes(ckpt, "model", model_sd)
+        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt))
+        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+        return meta
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _check_shapes(ckpt, "model", model_sd)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(ckpt))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = Path(ckpt) / "rng" / f"rank_{_rank():05d}.pt"
+    if rng_file.is_file():  # a new rank (resumed on more ranks) keeps its seeded RNG
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta
+
+
+def prune_checkpoints(ckpt_root: Path, keep_last: int, best: Optional[Path]) -> list[Path]:
+    """Delete old complete checkpoints beyond the newest keep_last and the best.
+    The newest complete one is never deleted. Rank 0 only."""
+    complete, _ = list_checkpoints(ckpt_root)
+    keep = set(complete[-max(1, keep_last):])
+    if best is not None:
+        keep.add(Path(best))
+    removed = []
+    for p in complete:
+        if p not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed

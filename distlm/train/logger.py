@@ -1,0 +1,79 @@
+"""Where metrics go: metrics.csv (the source of truth), TensorBoard, optional W&B.
+
+Only the main rank writes. On resume, CSV rows past the resumed step are dropped so
+the file shows one run, not the crashed attempt and its repeat.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+COLUMNS = ["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb",
+           "val_loss", "val_ppl", "elapsed_s"]
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, cfg, enabled: bool, resume_step: int = 0):
+        self.enabled = enabled
+        self.csv_path = Path(run_dir) / "metrics.csv"
+        self.tb = None
+        self.wandb = None
+        if not enabled:
+            return
+        self._truncate(resume_step)
+        new = not self.csv_path.exists()
+        self._file = open(self.csv_path, "a", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        if new:
+            self._csv.writeheader()
+        if cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step or None)
+        if cfg.log.wandb:
+            try:
+                import wandb
+            except ImportError:
+                print("log.wandb=true but wandb is not installed (pip install wandb); skipping W&B")
+            else:
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=Path(run_dir).name,
+                                        config=cfg.to_dict(), dir=str(run_dir), resume="allow")
+
+    def _truncate(self, step: int) -> None:
+        if not self.csv_path.exists():
+            return
+        with open(self.csv_path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, self.csv_path)
+
+    def log(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        row = {k: ("" if values.get(k) is None else values.get(k)) for k in COLUMNS}
+        row["step"] = step
+        self._csv.writerow(row)
+        self._file.flush()
+        clean = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if self.tb is not None:
+            for k, v in clean.items():
+                if k not in ("step",):
+                    self.tb.add_scalar(f"{'val' if k.startswith('val') else 'train'}/{k}", v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

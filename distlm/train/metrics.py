@@ -1,0 +1,64 @@
+"""Throughput, MFU and memory, computed rather than assumed.
+
+MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6N + 12*L*d*T
+(N = non-embedding parameters plus the head; see distlm.model.gpt.flops_per_token) and
+the peak looked up per device below (dense bf16 tensor-core datasheet numbers),
+or given with log.peak_tflops. An unknown device reports MFU as n/a.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# Dense (no sparsity) bf16 peak TFLOP/s, from the vendors' datasheets.
+PEAK_TFLOPS = [
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),   # SXM
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("A10G", 70.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
+    ("V100", 125.0),
+]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> Optional[float]:
+    """Peak bf16 TFLOP/s of one device, or None where unknown (CPUs included)."""
+    if override > 0:
+        return override
+    name = device_name(device)
+    for key, tf in PEAK_TFLOPS:
+        if key in name:
+            return tf
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
+    if not peak:
+        return None
+    return tokens_per_s_per_device * flops_per_token / (peak * 1e12)
+
+
+def memory_gb(device: torch.device) -> Optional[float]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return None
+
+
+def fmt(value: Optional[float], spec: str = ".3f", na: str = "n/a") -> str:
+    return na if value is None else format(value, spec)

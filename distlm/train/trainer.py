@@ -1,0 +1,309 @@
+"""The one Trainer. Every mode (1 process, DDP, FSDP2, ...) is this loop with other config.
+
+Single process:   distlm train data.dir=DIR
+Data parallel:    torchrun --nproc_per_node 4 -m distlm train data.dir=DIR parallel.dp_shard=4
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from distlm.config import Config, ConfigError, to_yaml
+from distlm.data import DataError
+from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
+from distlm.model.gpt import GPT, flops_per_token
+from distlm.model.loss import lm_loss
+from distlm.parallel import ParallelDims, init_distributed, parallelize
+from distlm.parallel.grad import clip_grad_norm, grad_sync
+from distlm.train import checkpoint as ckpt
+from distlm.train.logger import RunLogger
+from distlm.train.metrics import fmt, memory_gb, mfu, peak_tflops
+from distlm.train.optim import build_optimizer
+from distlm.train.schedule import lr_at
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but CUDA is not available on this machine (use train.device=auto or cpu)")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
+    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
+    """Read the data manifest and fill model.vocab_size from it, or check the two agree."""
+    from distlm.data.prepare import load_manifest
+    if cfg.data.source == "synthetic":
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = 50257
+        return {}, None
+    if not cfg.data.dir:
+        raise ConfigError("data.dir is not set: run `distlm prepare INPUT --out DIR` and pass data.dir=DIR")
+    data_dir = Path(cfg.data.dir)
+    manifest = load_manifest(data_dir)
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = vocab
+    elif cfg.model.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
+                          f"({vocab}, tokenizer {manifest['tokenizer']['name']} in {data_dir}/manifest.json)")
+    return manifest, data_dir
+
+
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[torch.nn.Module, GPT]:
+    """Meta device -> parallelize -> allocate -> init: no rank ever holds the whole model
+    when it is sharded. Returns (the wrapped model to train, the plain GPT inside)."""
+    with torch.device("meta"):
+        inner = GPT(cfg.model)
+    model = parallelize(inner, dims, cfg)
+    inner.to_empty(device=device)
+    inner.init_weights(cfg.train.seed, device)
+    return model, inner
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dims: ParallelDims | None = None, run_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device, int(__import__("os").environ.get("LOCAL_RANK", 0)))
+        self.dims = dims or init_distributed(cfg.parallel, self.device.type)
+        self.amp_dtype = autocast_dtype(cfg, self.device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.manifest, self.data_dir = data_dims(cfg)
+        self.run_dir = Path(run_dir) if run_dir else self._run_dir()
+        torch.manual_seed(cfg.train.seed + self.dims.rank)  # dropout differs per rank, by design
+        self.model, self.gpt = build_model(cfg, self.dims, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
+        self.loader = self._build_loader()
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_val: Optional[float] = None
+        self.best_ckpt: Optional[str] = None
+        n = self.gpt.num_params()
+        self.flops_per_token = flops_per_token(cfg.model, n)
+        self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
+        self.resumed_from = self._maybe_resume()
+        self._write_run_files()
+
+    # ---- set-up -------------------------------------------------------------------
+    def _run_dir(self) -> Path:
+        name = self.cfg.log.name or time.strftime("run-%Y%m%d-%H%M%S")
+        if self.dims.is_distributed and not self.cfg.log.name:
+            obj = [name]
+            dist.broadcast_object_list(obj, src=0)  # every rank must agree on the folder
+            name = obj[0]
+        run_dir = Path(self.cfg.log.root) / name
+        if run_dir.exists() and any(run_dir.iterdir()) and self.cfg.train.resume == "never":
+            raise ConfigError(f"run directory {run_dir} already exists; pass train.resume=auto to continue it, "
+                              f"or choose another log.name")
+        return run_dir
+
+    def _build_loader(self) -> BatchLoader:
+        t, m = self.cfg.train, self.cfg.model
+        blocks = None
+        if self.data_dir is not None:
+            if self.cfg.data.verify_checksums and self.dims.is_main:
+                from distlm.data.prepare import verify_shards
+                verify_shards(self.data_dir, self.manifest)
+            blocks = TokenBlocks(self.data_dir, "train", m.block_size, self.manifest)
+            self.val_blocks = TokenBlocks(self.data_dir, "val", m.block_size, self.manifest)
+        else:
+            self.val_blocks = None
+        return BatchLoader(blocks, seed=t.seed, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+                           dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
+                           synthetic_vocab=m.vocab_size, block_size=m.block_size)
+
+    def _maybe_resume(self) -> Optional[Path]:
+        resume = self.cfg.train.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            complete, torn = ckpt.list_checkpoints(self.run_dir / "checkpoints")
+            if self.dims.is_main:
+                for p in torn:
+                    print(f"resume: skipping incomplete checkpoint {p} (no {ckpt.MARKER})")
+            if not complete:
+                if self.dims.is_main:
+                    print(f"resume=auto: no checkpoint in {self.run_dir}, starting from step 0")
+                return None
+            path = complete[-1]
+        else:
+            path = ckpt.resolve_checkpoint(resume)
+        meta = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        self.load_state_dict(meta["trainer"])
+        if self.dims.is_main:
+            print(f"resumed from {path} (step {self.step}, newest complete checkpoint)")
+        return path
+
+    def _write_run_files(self) -> None:
+        if not self.dims.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
+        if self.data_dir is not None:  # generation must not depend on the data folder staying put
+            from distlm.data.tokenizer import load_tokenizer
+            tok_dir = self.run_dir / "tokenizer"
+            tok_dir.mkdir(exist_ok=True)
+            load_tokenizer(self.manifest["tokenizer"]["name"], self.data_dir).save(tok_dir)
+            ckpt.atomic_write_text(tok_dir / "tokenizer.meta.json",
+                                   __import__("json").dumps(self.manifest["tokenizer"], indent=1))
+
+    # ---- state --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                "best_val": self.best_val, "best_ckpt": self.best_ckpt}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.loader.load_state_dict(state["loader"])
+        self.best_val, self.best_ckpt = state.get("best_val"), state.get("best_ckpt")
+
+    # ---- the loop -----------------------------------------------------------------
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over one global batch. Returns (mean loss, grad norm), on device."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.step, self.cfg.train)
+        micro = self.loader.next()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with grad_sync(self.model, enabled=i == len(micro) - 1), self._autocast():
+                loss = lm_loss(self.model(x), y) / len(micro)
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
+        return self._dp_mean(loss_sum), grad_norm
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dims.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dims.mesh["dp"].get_group())
+        return value
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        if self.val_blocks is None:
+            return float("nan")
+        self.model.eval()
+        batches = val_micro_batches(self.val_blocks, self.cfg.train.eval_batches, self.cfg.train.micro_batch_size,
+                                    self.dims.dp_rank, self.dims.dp_size)
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            with self._autocast():
+                total += lm_loss(self.model(x.to(self.device)), y.to(self.device))
+        self.model.train()
+        return float(self._dp_mean(total / max(1, len(batches))))
+
+    def save(self, val_loss: Optional[float] = None) -> Path:
+        root = self.run_dir / "checkpoints"
+        if val_loss is not None and math.isfinite(val_loss) and (self.best_val is None or val_loss < self.best_val):
+            self.best_val, self.best_ckpt = val_loss, f"step_{self.step:07d}"
+        meta = {"trainer": self.state_dict(), "config": self.cfg.to_dict(), "world_size": self.dims.world_size,
+                "val_loss": val_loss, "saved_at": time.time()}
+        path = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta)
+        if self.dims.is_main:
+            best = root / self.best_ckpt if self.best_ckpt else None
+            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, best)
+        return path
+
+    def train(self) -> dict:
+        cfg, main = self.cfg, self.dims.is_main
+        logger = RunLogger(self.run_dir, cfg, enabled=main, resume_step=self.step)
+        bar = None
+        if main and cfg.log.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True, leave=False)
+        say = bar.write if bar is not None else print
+        if main:
+            say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
+                f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
+                f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
+        t_start = time.perf_counter()
+        window_t, window_steps = time.perf_counter(), 0
+        last_val, last_loss, do_eval = None, float("nan"), False
+        self.model.train()
+        while self.step < cfg.train.max_steps:
+            loss, grad_norm = self.train_step()
+            window_steps += 1
+            if bar is not None:
+                bar.update(1)
+            do_eval = cfg.train.eval_every and self.step % cfg.train.eval_every == 0
+            do_log = self.step % cfg.log.every == 0 or self.step == cfg.train.max_steps or do_eval
+            out_of_time = bool(cfg.train.time_limit_s) and self._all_agree(
+                time.perf_counter() - t_start > cfg.train.time_limit_s)
+            if do_log:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # time what ran, not what was queued
+                dt = time.perf_counter() - window_t
+                tps = window_steps * cfg.train.global_batch_size * cfg.model.block_size / dt
+                last_loss = float(loss)
+                row = {"tokens": self.tokens_seen, "loss": last_loss, "lr": self.optimizer.param_groups[0]["lr"],
+                       "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                       "mfu": mfu(tps / self.dims.world_size, self.flops_per_token, self.peak),
+                       "mem_gb": memory_gb(self.device), "elapsed_s": time.perf_counter() - t_start}
+                if do_eval:
+                    last_val = self.evaluate()
+                    row.update(val_loss=last_val, val_ppl=math.exp(min(last_val, 50)))
+                logger.log(self.step, row)
+                if main:
+                    say(self._console_line(row))
+                window_t, window_steps = time.perf_counter(), 0
+            if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
+                self.save(last_val if do_eval else None)
+            if out_of_time:
+                if main:
+                    say(f"train.time_limit_s={cfg.train.time_limit_s:g} reached at step {self.step}")
+                break
+        if last_val is None or not do_eval:
+            last_val = self.evaluate()
+            logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,
+                                   "val_ppl": math.exp(min(last_val, 50))})
+        final = self.save(last_val)
+        logger.close()
+        if bar is not None:
+            bar.close()
+        if main:
+            from distlm.train.plot import plot_runs
+            plot_runs([self.run_dir], self.run_dir / "loss.png")
+        return {"step": self.step, "train_loss": last_loss, "val_loss": last_val,
+                "checkpoint": str(final), "run_dir": str(self.run_dir)}
+
+    def _all_agree(self, flag: bool) -> bool:
+        # Rank clocks differ: stop only when rank 0 says so, or ranks would desynchronise.
+        if not self.dims.is_distributed:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    def _console_line(self, r: dict) -> str:
+        parts = [f"step {self.step:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
+                 f"tok/s {r['tokens_per_s']:,.0f}", f"mfu {fmt(r['mfu'] and 100 * r['mfu'], '.1f')}%",
+                 f"mem {fmt(r['mem_gb'], '.2f')}GB"]
+        if r.get("val_loss") is not None:
+            parts.append(f"val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+        return " | ".join(parts)
