@@ -152,6 +152,14 @@ class GPT(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
+    def to_empty(self, *, device, recurse: bool = True):
+        # nn.Module.to_empty allocates each parameter anew and so unties the head from
+        # the embedding; tie them again.
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
+            self.head.weight = self.tok_emb.weight
+        return self
+
     @torch.no_grad()
     def init_buffers(self, device=None):
         cfg = self.cfg

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
 
 MARKER = "distlm.json"
+# DCP warns on every single-process save/load; one process is a supported layout here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(ValueError):

@@ -24,7 +24,7 @@ from distlm.parallel import ParallelDims, init_distributed, parallelize
 from distlm.parallel.grad import clip_grad_norm, grad_sync
 from distlm.train import checkpoint as ckpt
 from distlm.train.logger import RunLogger
-from distlm.train.metrics import fmt, memory_gb, mfu, peak_tflops
+from distlm.train.metrics import memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer
 from distlm.train.schedule import lr_at
 
@@ -45,13 +45,13 @@ def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
 
 def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
     """Read the data manifest and fill model.vocab_size from it, or check the two agree."""
-    from distlm.data.prepare import load_manifest
     if cfg.data.source == "synthetic":
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = 50257
         return {}, None
     if not cfg.data.dir:
         raise ConfigError("data.dir is not set: run `distlm prepare INPUT --out DIR` and pass data.dir=DIR")
+    from distlm.data.prepare import load_manifest
     data_dir = Path(cfg.data.dir)
     manifest = load_manifest(data_dir)
     vocab = int(manifest["tokenizer"]["vocab_size"])
@@ -302,8 +302,8 @@ class Trainer:
 
     def _console_line(self, r: dict) -> str:
         parts = [f"step {self.step:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
-                 f"tok/s {r['tokens_per_s']:,.0f}", f"mfu {fmt(r['mfu'] and 100 * r['mfu'], '.1f')}%",
-                 f"mem {fmt(r['mem_gb'], '.2f')}GB"]
+                 f"tok/s {r['tokens_per_s']:,.0f}", "mfu " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
+                 "mem " + ("n/a" if r["mem_gb"] is None else f"{r['mem_gb']:.2f}GB")]
         if r.get("val_loss") is not None:
             parts.append(f"val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
         return " | ".join(parts)

@@ -1,0 +1,330 @@
+"""Tokenizers: GPT-2's (vendored files, tiktoken, fully offline) and byte-level BPEs
+trained on the user's documents with Hugging Face ``tokenizers``.
+
+Both treat ``<|endoftext|>`` inside text as ordinary characters: only ``eos_id``,
+appended by ``prepare`` between documents, is the real end-of-text token. Otherwise
+one stray string in a web page would forge a document boundary.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from array import array
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from distlm.data import DataError
+
+GPT2_DIR = Path(__file__).resolve().parent.parent / "assets" / "gpt2"
+EOT = "<|endoftext|>"
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Pinned: a damaged or swapped vocabulary would silently change every token id.
+GPT2_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+BPE_VOCAB_RANGE = (257, 1 << 20)  # at least the 256 byte tokens plus <|endoftext|>
+_UINT32 = next(code for code in "ILQ" if array(code).itemsize == 4)
+
+
+class Tokenizer:
+    """What ``prepare``, the trainer and ``generate`` need from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eos_id: int
+    chunk_chars: int = 1 << 19  # piece size that ``prepare`` feeds to ``encode_batch``
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str], *, num_threads: int | None = None) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the files that define the token ids."""
+        raise NotImplementedError
+
+    def save(self, directory: Path) -> None:
+        """Write what ``load_tokenizer(self.name, directory)`` needs."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> str:
+        return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
+
+    def __repr__(self) -> str:
+        return f"<Tokenizer {self.name} vocab={self.vocab_size} eos={self.eos_id}>"
+
+
+def _gpt2_files() -> dict[str, bytes]:
+    files = {}
+    for fname, want in GPT2_SHA256.items():
+        path = GPT2_DIR / fname
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise DataError(f"{path}: cannot read the vendored GPT-2 vocabulary ({e.strerror})") from None
+        if hashlib.sha256(data).hexdigest() != want:
+            raise DataError(f"{path}: sha256 differs from the vendored GPT-2 file; reinstall distlm")
+        files[fname] = data
+    return files
+
+
+def _gpt2_ranks(encoder_json: bytes) -> tuple[dict[bytes, int], int]:
+    """encoder.json's token strings turned back into bytes, plus the id of <|endoftext|>.
+
+    GPT-2 stored each byte as a printable character: bytes that print (``!``..``~``,
+    ``¡``..``¬``, ``®``..``ÿ``) stand for themselves, the other 68 were moved to
+    U+0100 onwards in byte order. Its ids are already merge ranks (id = 256 + line
+    of the merge in vocab.bpe), which is what tiktoken wants; the pinned sha256 of
+    both files stands in for re-deriving that from vocab.bpe at every start.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in set(printable)]
+    to_latin1 = {0x100 + i: b for i, b in enumerate(moved)}
+    vocab = json.loads(encoder_json)
+    eos = vocab.pop(EOT)
+    ranks = {token.translate(to_latin1).encode("latin-1"): rank for token, rank in vocab.items()}
+    return ranks, eos
+
+
+class GPT2Tokenizer(Tokenizer):
+    """OpenAI's GPT-2 BPE, built offline from the vendored encoder.json/vocab.bpe.
+
+    The tiktoken encoding is built on first use: ``prepare`` only needs the name,
+    sizes and fingerprint in the parent process, its workers do the encoding.
+    """
+
+    name = "gpt2"
+    vocab_size = 50257
+    eos_id = 50256
+
+    def __init__(self) -> None:
+        files = _gpt2_files()
+        digest = hashlib.sha256()
+        for fname in sorted(files):
+            digest.update(fname.encode() + b"\0" + hashlib.sha256(files[fname]).digest())
+        self._fingerprint = digest.hexdigest()
+        self._encoder_json = files["encoder.json"]
+        self._enc = None
+
+    @property
+    def encoding(self):
+        if self._enc is None:
+            import tiktoken
+            ranks, eos = _gpt2_ranks(self._encoder_json)
+            assert eos == self.eos_id and len(ranks) + 1 == self.vocab_size
+            self._enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                          special_tokens={EOT: eos})
+            self._encoder_json = b""
+        return self._enc
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str], *, num_threads: int | None = None) -> list[list[int]]:
+        if num_threads == 1:  # a pool worker: the pool is the parallelism, threads would contend
+            return [self.encoding.encode_ordinary(t) for t in texts]
+        return self.encoding.encode_ordinary_batch(list(texts), num_threads=num_threads or 8)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(list(ids))
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def save(self, directory: Path) -> None:
+        pass  # vendored with distlm: nothing to write
+
+
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE held as Hugging Face ``tokenizer.json`` text."""
+
+    chunk_chars = 1 << 14  # tokenizers is faster on many small pieces than on a few big ones
+
+    def __init__(self, name: str, json_text: str, source: str = "tokenizer.json") -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        try:
+            tok = HFTokenizer.from_str(json_text)
+        except Exception as e:  # tokenizers raises plain Exception on malformed files
+            raise DataError(f"{source}: not a valid tokenizer file ({e})") from None
+        eos = tok.token_to_id(EOT)
+        if eos is None:
+            raise DataError(f"{source}: has no {EOT} token")
+        tok.encode_special_tokens = True  # typed "<|endoftext|>" stays text, as with gpt2
+        self.name, self._tok, self._json = name, tok, json_text
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = eos
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], *, num_threads: int | None = None) -> list[list[int]]:
+        # Threads are governed by TOKENIZERS_PARALLELISM, which pool workers turn off.
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self._json.encode("utf-8")).hexdigest()
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "tokenizer.json").write_text(self._json, encoding="utf-8")
+
+
+def parse_bpe_size(name: str) -> int:
+    """N of ``bpe:N``; DataError naming the value otherwise."""
+    head, _, size = name.partition(":")
+    if head != "bpe" or not size.isdigit():
+        raise DataError(f"unknown tokenizer {name!r}: use 'gpt2' or 'bpe:N' (e.g. bpe:4096)")
+    n = int(size)
+    lo, hi = BPE_VOCAB_RANGE
+    if not lo <= n <= hi:
+        raise DataError(f"tokenizer {name!r}: N must be between {lo} and {hi}")
+    return n
+
+
+def check_tokenizer_name(name: str) -> None:
+    if name != "gpt2":
+        parse_bpe_size(name)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, progress: bool = False) -> BPETokenizer:
+    """Train a byte-level BPE of at most ``vocab_size`` tokens; the same texts give the same ids.
+
+    Id 0 is ``<|endoftext|>``, ids 1..256 the bytes, then merges in the order learned.
+    The vocabulary is smaller than asked when the texts run out of pairs to merge.
+    """
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    name = f"bpe:{vocab_size}"
+    parse_bpe_size(name)
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return BPETokenizer(name, tok.to_str())
+
+
+@lru_cache(maxsize=1)
+def gpt2() -> GPT2Tokenizer:
+    return GPT2Tokenizer()
+
+
+def load_tokenizer(name: str, data_dir: Path | str | None = None) -> Tokenizer:
+    """``"gpt2"``, or ``"bpe:N"`` from ``data_dir/tokenizer.json`` (written by prepare)."""
+    if name == "gpt2":
+        return gpt2()
+    n = parse_bpe_size(name)
+    if data_dir is None:
+        raise DataError(f"tokenizer {name!r} is trained by prepare: pass the data folder holding its tokenizer.json")
+    path = Path(data_dir) / "tokenizer.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing; a {name} tokenizer is written there by `distlm prepare`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    tok = BPETokenizer(name, text, str(path))
+    if tok.vocab_size > n:
+        raise DataError(f"{path}: has {tok.vocab_size} tokens, more than {name} allows")
+    return tok
+
+
+def split_for_encoding(text: str, size: int) -> Iterator[str]:
+    """Cut ``text`` into pieces of about ``size`` chars that tokenize exactly as the whole.
+
+    A cut at index i is safe when text[i] is whitespace and text[i-1] is not: the
+    GPT-2 pattern (shared by the ByteLevel pre-tokenizer) always ends a piece there,
+    and none of its branches looks past a non-space character, so both halves split
+    into the same pieces as before. (Python's isspace() covers every character the
+    pattern's \\s matches.) Text with no such place stays whole.
+    """
+    start, n = 0, len(text)
+    while n - start > size:
+        lo, hi = start + max(1, size // 2), start + size
+        cut = _safe_cut(text, "\n", lo, hi) or _safe_cut(text, " ", lo, hi) or _next_safe_cut(text, hi)
+        if not cut:
+            break
+        yield text[start:cut]
+        start = cut
+    if start < n:
+        yield text[start:]
+
+
+def _safe_cut(text: str, sep: str, lo: int, hi: int) -> int:
+    """The last index in [lo, hi) holding ``sep`` after a non-space character; 0 if none."""
+    while hi > lo:
+        j = text.rfind(sep, lo, hi)
+        if j < 0:
+            return 0
+        if not text[j - 1].isspace():
+            return j
+        hi = j
+    return 0
+
+
+def _next_safe_cut(text: str, pos: int) -> int:
+    """The first safe newline cut at or after ``pos``; 0 if none."""
+    j = text.find("\n", pos)
+    while j > 0 and text[j - 1].isspace():
+        j = text.find("\n", j + 1)
+    return max(j, 0)
+
+
+def encode_task(tok: Tokenizer, task: Sequence[tuple[int, str, bool]], num_threads: int | None = 1
+                ) -> list[tuple[int, bytes]]:
+    """Encode ``(split, piece, ends_document)`` items into runs of ``(split, token bytes)``.
+
+    Tokens come back as packed uint16/uint32 (native little-endian) bytes with
+    ``eos_id`` after each document's last piece: cheap to pickle, ready to write.
+    """
+    code = "H" if tok.dtype == "uint16" else _UINT32
+    out: list[tuple[int, bytes]] = []
+    run, cur = array(code), None
+    for (split, _, ends), ids in zip(task, tok.encode_batch([p for _, p, _ in task], num_threads=num_threads)):
+        if split != cur and cur is not None:
+            out.append((cur, _packed(run)))
+            run = array(code)
+        cur = split
+        run.extend(ids)
+        if ends:
+            run.append(tok.eos_id)
+    if cur is not None:
+        out.append((cur, _packed(run)))
+    return out
+
+
+def _packed(run: array) -> bytes:
+    if sys.byteorder == "big":  # shards are little-endian everywhere
+        run.byteswap()
+    return run.tobytes()
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def pool_init(name: str, data_dir: str | None) -> None:
+    """Pool initializer: build the tokenizer once per worker process."""
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool already uses every core
+    _WORKER_TOKENIZER = load_tokenizer(name, data_dir)
+    if isinstance(_WORKER_TOKENIZER, GPT2Tokenizer):
+        _WORKER_TOKENIZER.encoding  # noqa: B018 - build now, while the parent still reads input
+
+
+def pool_encode(task: Sequence[tuple[int, str, bool]]) -> list[tuple[int, bytes]]:
+    assert _WORKER_TOKENIZER is not None, "pool_init did not run"
+    return encode_task(_WORKER_TOKENIZER, task)

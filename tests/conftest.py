@@ -1,0 +1,37 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SAMPLE_TEXT = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. " * 6,
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, "
+    "and nothing particular to interest me on shore, I thought I would sail about a little. " * 6,
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void. " * 6,
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do. " * 6,
+    "The quality of mercy is not strained; it droppeth as the gentle rain from heaven upon the place beneath. " * 6,
+    "I celebrate myself, and sing myself, and what I assume you shall assume. " * 6,
+]
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("text")
+    for i, t in enumerate(SAMPLE_TEXT * 4):
+        (d / f"doc{i:02d}.txt").write_text(t)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, text_dir) -> Path:
+    """A small prepared data set (GPT-2 tokenizer), shared by the tests that train."""
+    from distlm.data.prepare import prepare
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    prepare([str(text_dir)], out, tokenizer="gpt2", val_fraction=0.2, seed=0, workers=1, progress=False)
+    return out

@@ -1,0 +1,85 @@
+"""End to end through the CLI, as a user types it, plus every bad input named in one line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=10", "train.eval_batches=2",
+         "log.every=5", "log.progress=false"]
+
+
+def distlm(*args, cwd=None, check=True, stdin=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "distlm", *map(str, args)], cwd=cwd, env=env, input=stdin,
+                       capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"distlm {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory, text_dir):
+    tmp = tmp_path_factory.mktemp("e2e")
+    distlm("prepare", text_dir, "--out", tmp / "data", "--tokenizer", "bpe:300", "--val-fraction", "0.2",
+           "--workers", "2", "--quiet")
+    p = distlm("train", "--config", "tiny", *SMALL, f"data.dir={tmp / 'data'}", "train.max_steps=20",
+               f"log.root={tmp / 'runs'}", "log.name=r")
+    return tmp, p
+
+
+def test_prepare_train_eval_generate(e2e):
+    tmp, train = e2e
+    assert "done: step 20" in train.stdout
+    assert "tok/s" in train.stdout and "mfu n/a" in train.stdout  # no peak is known for a CPU
+    ev = json.loads(distlm("eval", "--checkpoint", tmp / "runs" / "r", "--json").stdout)
+    assert ev["split"] == "val" and 0 < ev["loss"] < 10 and ev["perplexity"] > 1
+    gen = distlm("generate", "--checkpoint", tmp / "runs" / "r", "--prompt", "Call me", "--max-new-tokens", "12",
+                 "--seed", "1", "--num-samples", "2")
+    assert gen.stdout.count("--- sample") == 2
+    again = distlm("generate", "--checkpoint", tmp / "runs" / "r", "--prompt", "Call me", "--max-new-tokens", "12",
+                   "--seed", "1", "--num-samples", "2")
+    assert gen.stdout == again.stdout  # seeded
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("The king\nAlice was\n")
+    distlm("generate", "--checkpoint", tmp / "runs" / "r", "--prompts-file", prompts, "--out", tmp / "o.jsonl",
+           "--max-new-tokens", "5", "--seed", "0")
+    lines = [json.loads(x) for x in (tmp / "o.jsonl").read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == ["The king", "Alice was"] and len(lines[0]["completions"]) == 1
+    repl = distlm("generate", "--checkpoint", tmp / "runs" / "r", "--interactive", "--max-new-tokens", "4",
+                  stdin="Hello\n\n")
+    assert "interactive" in repl.stdout
+    plot = distlm("plot", tmp / "runs" / "r", "--out", tmp / "cmp.png")
+    assert (tmp / "cmp.png").stat().st_size > 1000 and "wrote" in plot.stdout
+
+
+def _fails(p, *needles):
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), p.stderr
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+def test_bad_inputs_are_one_clear_line(e2e, tmp_path):
+    tmp, _ = e2e
+    data, run = tmp / "data", tmp / "runs" / "r"
+    _fails(distlm("prepare", tmp_path / "nope.txt", "--out", tmp_path / "o", check=False), "nope.txt")
+    assert not (tmp_path / "o").exists()
+    _fails(distlm("train", "train.max_stpes=3", check=False), "did you mean 'max_steps'")
+    _fails(distlm("train", "--config", "tiy", check=False), "unknown preset 'tiy'", "did you mean 'tiny'")
+    _fails(distlm("train", "--config", "tiny", f"data.dir={data}", "model.vocab_size=100", check=False),
+           "model.vocab_size=100", "manifest.json")
+    _fails(distlm("train", "--config", "tiny", *SMALL, f"data.dir={data}", "model.block_size=100000",
+                  f"log.root={tmp_path}", check=False), "block_size=100000", "longer than the data")
+    _fails(distlm("train", "--config", "tiny", *SMALL, f"data.dir={data}", f"log.root={tmp / 'runs'}",
+                  "log.name=r", check=False), "already exists", "resume=auto")
+    _fails(distlm("train", "--config", "tiny", *SMALL, f"data.dir={data}", "train.device=cuda",
+                  f"log.root={tmp_path}", check=False), "train.device=cuda", "CUDA is not available")
+    _fails(distlm("train", "--config", "tiny", *SMALL, "model.d_model=64", f"data.dir={data}",
+                  f"train.resume={run}", f"log.root={tmp_path}", "log.name=x", check=False), "shape")
+    _fails(distlm("eval", "--checkpoint", tmp_path / "empty", check=False), "no complete checkpoint")

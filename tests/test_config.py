@@ -1,0 +1,43 @@
+"""The config tree: presets load and build; bad keys and values are named."""
+import pytest
+import torch
+
+from distlm.config import ConfigError, list_presets, load_config, config_from_dict
+from distlm.model.gpt import GPT
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_loads_and_builds(name):
+    cfg = load_config(name, ["model.vocab_size=50257"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    assert model.num_params() > 0
+    assert config_from_dict(cfg.to_dict()) == cfg  # the saved config rebuilds the same tree
+
+
+def test_overrides_and_model_preset_swap():
+    cfg = load_config("tiny", ["model=gpt2-124m", "train.max_steps=7", "train.lr=1e-3", "model.bias=false"])
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.bias) == (12, 768, False)
+    assert cfg.train.max_steps == 7 and cfg.train.lr == 1e-3
+    assert cfg.train.global_batch_size == 32  # from tiny, untouched by the model swap
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["train.max_stpes=3"], "did you mean 'max_steps'"),
+    (["trian.max_steps=3"], "did you mean 'train'"),
+    (["model=gpt2-124"], "did you mean 'gpt2-124m'"),
+    (["model.position=rotary"], "model.position: 'rotary' is not one of"),
+    (["train.max_steps=abc"], "train.max_steps: expected an integer, got 'abc'"),
+    (["model.n_head=5"], "not divisible by model.n_head=5"),
+    (["train.global_batch_size=30"], "train.global_batch_size=30 must be a multiple"),
+    (["max_steps"], "must look like key=value"),
+])
+def test_bad_config_is_named(overrides, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config("tiny", overrides)
+    assert needle in str(e.value)
+
+
+def test_unknown_preset_suggests():
+    with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+        load_config("tinyy")

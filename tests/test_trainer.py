@@ -1,0 +1,82 @@
+"""The Trainer, single process: bit-exact resume, outputs read back the way users read them."""
+import csv
+import shutil
+
+import pytest
+
+from distlm.config import ConfigError, load_config
+from distlm.train.trainer import Trainer
+
+TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=4", "train.eval_batches=2",
+        "train.warmup_steps=2", "log.every=1", "log.progress=false", "train.seed=7"]
+
+
+def rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["loss"]]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_data):
+    root = tmp_path_factory.mktemp("runs")
+    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=8", "train.checkpoint_every=4",
+                                      "train.keep_last=5", f"log.root={root}", "log.name=full"])
+    summary = Trainer(cfg).train()
+    return root, summary
+
+
+def test_resume_is_bit_exact(full_run, tiny_data):
+    root, _ = full_run
+    # Simulate a crash after the step-4 checkpoint: drop everything later, then resume=auto.
+    shutil.copytree(root / "full", root / "crashed")
+    shutil.rmtree(root / "crashed" / "checkpoints" / "step_0000008")
+    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=8", "train.checkpoint_every=4",
+                                      f"log.root={root}", "log.name=crashed", "train.resume=auto"])
+    trainer = Trainer(cfg)
+    assert trainer.step == 4 and trainer.loader.step == 4
+    trainer.train()
+    a, b = rows(root / "full"), rows(root / "crashed")
+    assert [r["step"] for r in b] == [str(s) for s in range(1, 9)]  # the crashed attempt's rows are replaced
+    for ra, rb in zip(a, b):
+        assert (ra["loss"], ra["grad_norm"], ra["lr"]) == (rb["loss"], rb["grad_norm"], rb["lr"]), ra["step"]
+    assert [r["val_loss"] for r in rows(root / "full") if r["val_loss"]] == \
+           [r["val_loss"] for r in rows(root / "crashed") if r["val_loss"]]
+
+
+def test_outputs_read_back(full_run):
+    root, summary = full_run
+    run = root / "full"
+    losses = [float(r["loss"]) for r in rows(run)]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(run / "tensorboard"))
+    ea.Reload()
+    events = ea.Scalars("train/loss")
+    assert [e.step for e in events] == list(range(1, 9))
+    assert [round(e.value, 4) for e in events] == [round(v, 4) for v in losses]
+    assert "val/val_loss" in ea.Tags()["scalars"]
+    import matplotlib.image
+    img = matplotlib.image.imread(run / "loss.png")
+    assert img.ndim == 3 and img.shape[0] > 100
+    assert (run / "config.yaml").is_file() and (run / "tokenizer" / "tokenizer.meta.json").is_file()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_0000004", "step_0000008"]
+
+
+def test_existing_run_dir_without_resume_is_refused(full_run, tiny_data):
+    root, _ = full_run
+    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", f"log.root={root}", "log.name=full"])
+    with pytest.raises(ConfigError, match="already exists; pass train.resume=auto"):
+        Trainer(cfg)
+
+
+def test_keep_last_keeps_best_and_newest(tmp_path, tiny_data):
+    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=6", "train.checkpoint_every=1",
+                                      "train.eval_every=1", "train.keep_last=2", f"log.root={tmp_path}",
+                                      "log.name=k", "log.tensorboard=false"])
+    t = Trainer(cfg)
+    t.train()
+    kept = sorted(p.name for p in (tmp_path / "k" / "checkpoints").iterdir())
+    assert kept[-2:] == ["step_0000005", "step_0000006"]
+    assert t.best_ckpt in kept and len(kept) <= 3
