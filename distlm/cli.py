@@ -159,6 +159,27 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    if args.scaling:
+        from distlm.bench.scaling import run_scaling
+        sizes = [int(x) for x in args.scaling.split(",")]
+        text = run_scaling(sizes, args.config, args.overrides, args.axis, args.mode, args.warmup, args.steps,
+                           Path(args.out_dir))
+        print(text + f"\nwrote {args.out_dir}/scaling-{args.mode}.md, .json and .png")
+        return 0
+    from distlm.bench.throughput import report, run_bench
+    overrides = ["log.root=runs/bench", "log.progress=false", "log.tensorboard=false", *args.overrides]
+    cfg = load_config(args.config, overrides)
+    if not cfg.log.name:
+        cfg.log.name = __import__("time").strftime("bench-%Y%m%d-%H%M%S")
+    result = run_bench(cfg, args.warmup, args.steps, comm_probe=not args.no_comm_probe)
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        report(result, None if args.no_results else Path(args.results), args.json)
+    _shutdown()
+    return 0
+
+
 def cmd_demo(args) -> int:
     from distlm.demo import run_demo
     return run_demo(args)
@@ -218,6 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("runs", nargs="+", metavar="RUN")
     s.add_argument("--out", default="loss.png")
     s.set_defaults(fn=cmd_plot)
+
+    s = sub.add_parser("bench", help="measure tokens/s, MFU, step-time split and memory (and scaling)",
+                       description="W warm-up steps, then M timed steps of the real training step. "
+                       "MFU = tokens/s per GPU x (6N + 12*L*d*T) / peak dense bf16 FLOP/s. "
+                       "data.source=synthetic isolates model throughput from I/O.")
+    s.add_argument("--config", default=None, help="YAML file or preset name")
+    s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    s.add_argument("--warmup", type=int, default=5)
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--json", default=None, help="write the result as JSON here")
+    s.add_argument("--results", default="bench-results.md", help="Markdown file a row is appended to")
+    s.add_argument("--no-results", action="store_true", help="append no Markdown row")
+    s.add_argument("--no-comm-probe", action="store_true", help="skip the no-gradient-sync window")
+    s.add_argument("--scaling", default=None, metavar="1,2,4", help="run at each world size (torchrun) and report")
+    s.add_argument("--axis", default="dp_replicate", choices=["dp_replicate", "dp_shard"],
+                   help="--scaling: DDP (dp_replicate) or FSDP2 (dp_shard)")
+    s.add_argument("--mode", default="weak", choices=["weak", "strong"], help="--scaling: keep per-GPU or global batch")
+    s.add_argument("--out-dir", default="bench-scaling", help="--scaling: where the table and plots go")
+    s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("demo", help="offline end-to-end demo on the vendored Gutenberg corpus (make run)")
     s.add_argument("--root", default="runs", help="where the run folder goes")

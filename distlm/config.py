@@ -122,12 +122,18 @@ class LogConfig:
 
 
 @dataclass
+class InitConfig:
+    from_hf: Optional[str] = doc(None, "start from a local Hugging Face GPT-2 or Llama folder (no hub access)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    init: InitConfig = field(default_factory=InitConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -313,18 +313,22 @@ def _packed(run: array) -> bytes:
     return run.tobytes()
 
 
-_WORKER_TOKENIZER: Tokenizer | None = None
+_WORKER: Tokenizer | BaseException | None = None
 
 
 def pool_init(name: str, data_dir: str | None) -> None:
     """Pool initializer: build the tokenizer once per worker process."""
-    global _WORKER_TOKENIZER
+    global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool already uses every core
-    _WORKER_TOKENIZER = load_tokenizer(name, data_dir)
-    if isinstance(_WORKER_TOKENIZER, GPT2Tokenizer):
-        _WORKER_TOKENIZER.encoding  # noqa: B018 - build now, while the parent still reads input
+    try:
+        _WORKER = load_tokenizer(name, data_dir)
+        if isinstance(_WORKER, GPT2Tokenizer):
+            _WORKER.encoding  # noqa: B018 - build it now, while the parent still reads input
+    except BaseException as e:  # a raising initializer makes Pool respawn workers forever
+        _WORKER = e
 
 
 def pool_encode(task: Sequence[tuple[int, str, bool]]) -> list[tuple[int, bytes]]:
-    assert _WORKER_TOKENIZER is not None, "pool_init did not run"
-    return encode_task(_WORKER_TOKENIZER, task)
+    if not isinstance(_WORKER, Tokenizer):
+        raise _WORKER if _WORKER is not None else RuntimeError("pool_init did not run")
+    return encode_task(_WORKER, task)

@@ -26,6 +26,7 @@ class ParallelDims:
     rank: int = 0
     local_rank: int = 0
     mesh: Optional[object] = field(default=None, repr=False)
+    dp_mesh: Optional[object] = field(default=None, repr=False)  # 1-D: dp_replicate x dp_shard flattened
 
     def __post_init__(self):
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp
@@ -48,19 +49,39 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        if self.mesh is None or self.dp_size == 1:
+        if self.dp_mesh is None or self.dp_size == 1:
             return 0
-        return self.mesh["dp"].get_local_rank()
+        return self.dp_mesh.get_local_rank()
 
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str, timeout_s: Optional[float] = None):
         """One mesh, axes (pp, dp_replicate, dp_shard, tp); size-1 axes are kept so
-        every layout addresses the same names. 'dp' flattens the two data axes."""
+        every layout addresses the same names. 'dp' flattens the two data axes.
+
+        The mesh's sub-groups do not inherit the world group's timeout: without an
+        explicit one they wait 30 min (gloo) or 10 min (NCCL) on a hang, and every
+        FSDP/DDP collective runs on a sub-group. So each axis gets the timeout too.
+        """
         from torch.distributed.device_mesh import init_device_mesh
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         names = ("pp", "dp_replicate", "dp_shard", "tp")
-        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        opts = _group_options(device_type, timeout_s)
+        override = {n: opts for n, k in zip(names, shape) if k > 1} if opts is not None else {}
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
+        flat = {"backend_override": opts} if opts is not None and self.dp_size > 1 else {}
+        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp", **flat)
         return self.mesh
+
+
+def _group_options(device_type: str, timeout_s: Optional[float]):
+    if not timeout_s:
+        return None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return opts
+    from torch._C._distributed_c10d import Backend  # the C++ Backend; its Options has no public alias
+    return Backend.Options("gloo", timeout)
 
 
 def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
@@ -76,5 +97,5 @@ def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
             backend = "nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                                     device_id=torch.device("cuda", local_rank) if device_type == "cuda" else None)
-        dims.build_mesh(device_type)
+        dims.build_mesh(device_type, cfg.timeout_s)
     return dims

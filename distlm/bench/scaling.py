@@ -1,0 +1,149 @@
+"""`distlm bench --scaling 1,2,4`: the same config at each world size, then a report.
+
+Each world size is its own `torchrun --standalone` launch of `distlm bench`, so the
+numbers are exactly what a user's launch would see. Weak scaling keeps the per-GPU
+batch (global batch grows with N); strong scaling keeps the global batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ADVICE_THRESHOLD = 0.70
+
+
+def launch(n: int, config: str | None, overrides: list[str], axis: str, global_batch: int | None,
+           warmup: int, steps: int) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"distlm-scaling-{n}-")) / "bench.json"
+    args = [] if not config else ["--config", config]
+    extra = [f"parallel.{axis}={n}"] + ([f"train.global_batch_size={global_batch}"] if global_batch else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "distlm",
+           "bench", *args, "--warmup", str(warmup), "--steps", str(steps), "--json", str(out), "--no-results",
+           *overrides, *extra]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"bench at {n} GPUs failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def amdahl_serial_fraction(ns: list[int], speedups: list[float]) -> float:
+    """Least-squares s in S(n) = 1 / (s + (1 - s) / n), by a fine grid (robust, no scipy)."""
+    best, best_err = 0.0, float("inf")
+    for i in range(10001):
+        s = i / 10000
+        err = sum((1 / (s + (1 - s) / n) - sp) ** 2 for n, sp in zip(ns, speedups))
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+def analyse(results: list[dict], mode: str) -> list[dict]:
+    base = results[0]
+    rows = []
+    for r in results:
+        n = r["world_size"] / base["world_size"]
+        speedup = r["tokens_per_s"] / base["tokens_per_s"]
+        rows.append({
+            "gpus": r["world_size"], "tokens_per_s": r["tokens_per_s"], "per_gpu": r["tokens_per_s_per_gpu"],
+            "step_ms": 1e3 * r["step_s"], "speedup": speedup,
+            # weak: per-GPU throughput kept; strong: time-to-solution speedup per GPU added
+            "weak_eff": r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if mode == "weak" else None,
+            "strong_eff": speedup / n if mode == "strong" else None,
+            "mem_gb": r["peak_mem_gb"], "exposed_ms": r["exposed_comm_s"] and 1e3 * r["exposed_comm_s"],
+            "R": r["compute_comm_ratio"], "global_batch": r["global_batch_size"], "micro": r["micro_batch_size"],
+            "device": r["device"],
+        })
+    return rows
+
+
+def advice(rows: list[dict], axis: str) -> list[str]:
+    notes = []
+    for row in rows[1:]:
+        eff = row["weak_eff"] if row["weak_eff"] is not None else row["strong_eff"]
+        if row["speedup"] >= 1.0 and eff >= ADVICE_THRESHOLD:
+            continue
+        why = (f"{row['gpus']} GPUs: speedup {row['speedup']:.2f}x, efficiency {100 * eff:.0f}%. ")
+        if row["exposed_ms"] is not None:
+            share = row["exposed_ms"] / row["step_ms"]
+            why += (f"Exposed communication is {row['exposed_ms']:.1f} ms of a {row['step_ms']:.1f} ms step "
+                    f"({100 * share:.0f}%), compute/comm R = {row['R'] or 0:.1f}. ")
+            if share > 0.3:
+                why += ("The model is too small for its gradient all-reduce: each step computes too little to hide "
+                        "the communication. Try: a larger micro-batch per GPU (train.micro_batch_size), gradient "
+                        "accumulation (a larger train.global_batch_size: one all-reduce per several micro-steps), "
+                        "a larger DDP bucket (parallel.ddp_bucket_mb) so fewer all-reduce calls, a larger model, "
+                        "or fewer GPUs.")
+            else:
+                why += "Communication is mostly hidden; look at data wait and per-step overhead (launch, Python)."
+        else:
+            why += "No communication probe ran; rerun with the probe on."
+        if axis == "dp_shard":
+            why += " FSDP adds all-gathers in the forward pass; at this size DDP (parallel.dp_replicate) may do better."
+        notes.append(why)
+    return notes
+
+
+def markdown(rows: list[dict], mode: str, serial: float, notes: list[str]) -> str:
+    def f(v, spec):
+        return "n/a" if v is None else format(v, spec)
+    lines = [f"{mode} scaling on {rows[0]['device']}; Amdahl serial fraction s = {serial:.3f}", "",
+             "| GPUs | global/micro batch | tok/s | tok/s/GPU | step ms | speedup | weak eff | strong eff | "
+             "mem GB/GPU | exposed comm ms | R = T_comp/T_comm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['gpus']} | {r['global_batch']}/{r['micro']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['per_gpu']:,.0f} | {r['step_ms']:.1f} | {r['speedup']:.2f} | "
+                     f"{f(r['weak_eff'] and 100 * r['weak_eff'], '.1f')}% | "
+                     f"{f(r['strong_eff'] and 100 * r['strong_eff'], '.1f')}% | {f(r['mem_gb'], '.1f')} | "
+                     f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.1f')} |")
+    if notes:
+        lines += ["", "Advisor:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out: Path, mode: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    g = [r["gpus"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
+    a.plot(g, [r["tokens_per_s"] for r in rows], "o-", label="measured")
+    a.plot(g, [rows[0]["tokens_per_s"] * n / g[0] for n in g], "--", color="gray", label="linear")
+    a.set(xlabel="GPUs", ylabel="tokens/s", title="throughput")
+    a.legend()
+    eff = [(r["weak_eff"] if r["weak_eff"] is not None else r["strong_eff"]) * 100 for r in rows]
+    b.plot(g, eff, "o-")
+    b.axhline(100, color="gray", ls="--")
+    b.set(xlabel="GPUs", ylabel="%", title=f"{mode}-scaling efficiency", ylim=(0, 110))
+    for ax in (a, b):
+        ax.set_xticks(g)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def run_scaling(sizes: list[int], config, overrides, axis: str, mode: str, warmup: int, steps: int,
+                out_dir: Path) -> str:
+    from distlm.config import load_config
+    base_gbs = load_config(config, overrides).train.global_batch_size
+    results = []
+    for n in sizes:
+        gbs = base_gbs * n // sizes[0] if mode == "weak" else base_gbs
+        print(f"scaling: {n} process(es), global batch {gbs} ...", flush=True)
+        results.append(launch(n, config, overrides, axis, gbs, warmup, steps))
+    rows = analyse(results, mode)
+    serial = amdahl_serial_fraction([r["gpus"] / rows[0]["gpus"] for r in rows], [r["speedup"] for r in rows])
+    notes = advice(rows, axis)
+    text = markdown(rows, mode, serial, notes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"scaling-{mode}.md").write_text(text)
+    (out_dir / f"scaling-{mode}.json").write_text(json.dumps({"rows": rows, "raw": results, "serial": serial}, indent=1))
+    plot(rows, out_dir / f"scaling-{mode}.png", mode)
+    return text

@@ -1,0 +1,170 @@
+"""`distlm bench`: W warm-up steps, then M timed steps of the real Trainer.
+
+    distlm bench --config gpt2-124m-1024 data.source=synthetic train.compile=true
+    torchrun --nproc_per_node 2 -m distlm bench --config gpt2-124m-1024 parallel.dp_replicate=2 ...
+
+Timing synchronizes the device before every clock read. Phases (data wait,
+forward+backward, optimizer) are timed with CUDA events on GPUs and the host clock on
+CPUs. Exposed communication is measured, not guessed: a second timed window runs the
+same steps with gradient reduction switched off; the difference in step time is the
+communication that compute did not hide.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from distlm.train.metrics import device_name
+
+FORMULA = "MFU = (tokens/s per GPU) x (6N + 12*L*d*T) / peak dense bf16 FLOP/s"
+
+
+class PhaseTimer:
+    """Accumulates time per phase between marks; device-synchronised."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = {}
+        self._events: list[tuple[str, object, object]] = []
+
+    def start(self):
+        self._last = self._now()
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def mark(self, phase: str):
+        now = self._now()
+        self._events.append((phase, self._last, now))
+        self._last = now
+
+    def collect(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        for phase, a, b in self._events:
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            self.totals[phase] = self.totals.get(phase, 0.0) + dt
+        self._events.clear()
+        return self.totals
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_window(trainer, steps: int, sync_grads: bool) -> tuple[float, dict]:
+    timer = PhaseTimer(trainer.device)
+    _sync(trainer.device)
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        timer.start()
+        trainer.train_step(mark=timer.mark, sync_grads=sync_grads)
+    _sync(trainer.device)
+    wall = time.perf_counter() - t0
+    return wall, {k: v / steps for k, v in timer.collect().items()}
+
+
+def _max_over_ranks(value: float, device) -> float:
+    # The slowest rank sets the pace of a synchronous step.
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
+    from distlm.train.trainer import Trainer
+    cfg.train.max_steps = max(cfg.train.max_steps, warmup + 2 * steps + 1)  # lr schedule stays in range
+    cfg.train.eval_every = 0
+    trainer = Trainer(cfg)
+    dims, device = trainer.dims, trainer.device
+    for _ in range(warmup):
+        trainer.train_step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    wall, phases = _timed_window(trainer, steps, sync_grads=True)
+    wall = _max_over_ranks(wall, device)
+    step_s = wall / steps
+    exposed = None
+    if comm_probe and dims.dp_size > 1:
+        wall_nosync, _ = _timed_window(trainer, steps, sync_grads=False)
+        exposed = max(0.0, step_s - _max_over_ranks(wall_nosync, device) / steps)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+    tps = tokens_per_step / step_s
+    per_gpu = tps / dims.world_size
+    fpt = trainer.flops_per_token
+    achieved = per_gpu * fpt / 1e12
+    peak = trainer.peak
+    compute = step_s - (exposed or 0.0)
+    result = {
+        "device": device_name(device), "world_size": dims.world_size, "torch": torch.__version__,
+        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp},
+        "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "block_size": cfg.model.block_size,
+                  "params": trainer.gpt.num_params(False)},
+        "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
+        "accum_steps": trainer.loader.accum_steps, "compile": cfg.train.compile,
+        "activation_checkpoint": cfg.parallel.activation_checkpoint, "dtype": str(trainer.amp_dtype or "fp32"),
+        "warmup_steps": warmup, "timed_steps": steps,
+        "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_gpu": per_gpu,
+        "phases_s": phases, "exposed_comm_s": exposed,
+        "compute_comm_ratio": (compute / exposed) if exposed else None,
+        "flops_per_token": fpt, "achieved_tflops_per_gpu": achieved, "peak_tflops": peak,
+        "mfu": achieved / peak if peak else None, "mfu_formula": FORMULA,
+        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    trainer.close() if hasattr(trainer, "close") else None
+    return result
+
+
+def markdown_row(r: dict) -> str:
+    def f(v, spec):
+        return "n/a" if v is None else format(v, spec)
+    lay = r["layout"]
+    layout = f"dpr{lay['dp_replicate']}·dps{lay['dp_shard']}·tp{lay['tp']}·pp{lay['pp']}"
+    return (f"| {r['date']} | {r['device']} | {r['world_size']} | {layout} | {r['model']['params'] / 1e6:.0f}M "
+            f"T={r['model']['block_size']} | {r['global_batch_size']}/{r['micro_batch_size']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {f(r['achieved_tflops_per_gpu'], '.1f')} | "
+            f"{f(r['mfu'] and 100 * r['mfu'], '.1f')} | {f(r['peak_mem_gb'], '.1f')} | "
+            f"{f(r['exposed_comm_s'] and 1e3 * r['exposed_comm_s'], '.1f')} | torch {r['torch']} |")
+
+
+HEADER = ("| date | device | GPUs | layout | model | batch (global/micro) | tok/s | tok/s/GPU | TFLOP/s/GPU | "
+          "MFU % | peak mem GB | exposed comm ms | torch |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+
+def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
+    ph = r["phases_s"]
+    print(f"{r['device']} x{r['world_size']}: {r['tokens_per_s']:,.0f} tok/s "
+          f"({r['tokens_per_s_per_gpu']:,.0f}/GPU), step {1e3 * r['step_s']:.1f} ms = data "
+          f"{1e3 * ph.get('data', 0):.1f} + fwd/bwd {1e3 * ph.get('forward_backward', 0):.1f} + optimizer "
+          f"{1e3 * ph.get('optimizer', 0):.1f} ms")
+    if r["exposed_comm_s"] is not None:
+        print(f"exposed communication {1e3 * r['exposed_comm_s']:.1f} ms/step, compute/comm R = "
+              f"{r['compute_comm_ratio'] or float('inf'):.1f}")
+    mfu = "n/a (peak unknown for this device; set log.peak_tflops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    print(f"{r['achieved_tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}; peak {r['peak_tflops']} TF; {FORMULA}")
+    if r["peak_mem_gb"] is not None:
+        print(f"peak memory {r['peak_mem_gb']:.2f} GB per GPU")
+    if json_out:
+        Path(json_out).write_text(json.dumps(r, indent=1))
+    if results:
+        results = Path(results)
+        new = not results.exists()
+        with open(results, "a") as f:
+            f.write((HEADER if new else "") + markdown_row(r) + "\n")
+        print(f"appended a row to {results}")

@@ -1,0 +1,61 @@
+"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded over dp_shard.
+
+    torchrun --nproc_per_node 4 -m distlm train model=gpt2-124m parallel.dp_shard=4
+    torchrun --nproc_per_node 4 -m distlm train model=gpt2-124m parallel.dp_replicate=2 parallel.dp_shard=2  # HSDP
+
+Applied to a model still on the meta device: each rank then allocates only its shards
+(``to_empty``) and ``GPT.init_weights`` fills them from the whole-tensor draw, so the
+initial weights equal the single-process ones whatever the layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from distlm.config import ParallelConfig
+from distlm.parallel.dims import ParallelDims
+
+
+def fsdp_mesh(dims: ParallelDims):
+    """dp_shard alone, or the 2-D (dp_replicate, dp_shard) mesh: HSDP shards within a
+    group (a node, say) and all-reduces gradients across groups."""
+    if dims.dp_replicate > 1:
+        return dims.mesh["dp_replicate", "dp_shard"]
+    return dims.mesh["dp_shard"]
+
+
+def precision_policy(pcfg: ParallelConfig, device_type: str) -> MixedPrecisionPolicy:
+    # bf16 all-gathers halve the traffic; gradients are reduced in fp32 so the sum over
+    # many ranks keeps its digits. On CPU the policy stays fp32 so tests compare exactly.
+    if pcfg.mixed_precision and device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def offload_policy(pcfg: ParallelConfig, device_type: str) -> OffloadPolicy:
+    if pcfg.cpu_offload:
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig) -> nn.Module:
+    """One FSDP unit per block, then the root, in place.
+
+    The root unit owns everything outside the blocks, in particular ``tok_emb`` and
+    ``head``: with tied embeddings they are one parameter, and FSDP2 can keep a shared
+    parameter only inside a single unit (it is all-gathered once and set on both
+    modules). ``GPT.to_empty`` re-ties them after allocation.
+    """
+    mesh = fsdp_mesh(dims)
+    kw = dict(mesh=mesh, mp_policy=precision_policy(pcfg, mesh.device_type),
+              offload_policy=offload_policy(pcfg, mesh.device_type))
+    blocks = list(model.blocks.values())
+    for i, block in enumerate(blocks):
+        # The last block's backward starts right after the forward ends, so resharding
+        # it would only all-gather the same weights again.
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=pcfg.reshard_after_forward and not last, **kw)
+    # FSDP2 never reshards the root after forward (its weights are needed first in backward).
+    fully_shard(model, reshard_after_forward=pcfg.reshard_after_forward, **kw)
+    return model

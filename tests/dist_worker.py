@@ -1,0 +1,79 @@
+"""Runs several training jobs in one torchrun launch, so the tests pay the start-up once.
+
+    torchrun --standalone --nproc_per_node 4 tests/dist_worker.py PLAN.json
+
+PLAN.json: {"out": "results.json", "jobs": [{"name": "fsdp4", "overrides": [...]}, ...]}.
+Each job is ``distlm train`` with those overrides (the same Trainer the CLI builds). Losses
+and grad norms land in each run's metrics.csv; rank 0 writes what only a live process can
+see (weights at init, tying, FSDP units, group timeouts) to ``out``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from distlm.config import load_config
+from distlm.parallel import ParallelDims
+from distlm.train.trainer import Trainer, build_model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _timeout_s(group) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def inspect_model(trainer: Trainer) -> dict:
+    """What the tests check before the first step. Collective (full_tensor)."""
+    gpt, dims = trainer.gpt, trainer.dims
+    ref = build_model(trainer.cfg, ParallelDims(), torch.device("cpu"))[1]  # the single-process init
+    ref_params = dict(ref.named_parameters())
+    mismatched = [n for n, p in gpt.named_parameters() if not torch.equal(_full(p.detach()), ref_params[n])]
+    axes = {n: _timeout_s(dims.mesh[n].get_group()) for n, k in
+            zip(("dp_replicate", "dp_shard"), (dims.dp_replicate, dims.dp_shard)) if k > 1}
+    axes["dp"] = _timeout_s(dims.dp_mesh.get_group())
+    return {
+        "init_mismatched": mismatched,
+        "n_params": len(ref_params),
+        "tied": gpt.head.weight is gpt.tok_emb.weight,
+        "fsdp_root": isinstance(gpt, FSDPModule),
+        "fsdp_blocks": [isinstance(b, FSDPModule) for b in gpt.blocks.values()],
+        "embedding_units": [isinstance(m, FSDPModule) for m in (gpt.tok_emb, gpt.head)],
+        "group_timeouts_s": axes,
+        "model_type": type(trainer.model).__name__,
+    }
+
+
+def main(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    results = {}
+    for job in plan["jobs"]:
+        t0 = time.perf_counter()
+        cfg = load_config(None, job["overrides"])
+        trainer = Trainer(cfg)
+        info = {"start_step": trainer.step, "resumed_from": str(trainer.resumed_from or ""),
+                "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
+        if trainer.step == 0:
+            info.update(inspect_model(trainer))
+        trainer.train()
+        info["tied_after_training"] = trainer.gpt.head.weight is trainer.gpt.tok_emb.weight
+        info["seconds"] = round(time.perf_counter() - t0, 2)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, info)
+        results[job["name"]] = gathered
+    if dist.get_rank() == 0:
+        Path(plan["out"]).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

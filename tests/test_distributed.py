@@ -1,0 +1,241 @@
+"""Data parallelism against the single-process reference, on CPU with gloo.
+
+Every parallel run trains on the same global batches as one process (the loader is a
+pure function of (seed, step, global batch)), so per-step losses and grad norms must
+match the reference to fp32 rounding. Launches are few and fat: one 4-rank torchrun runs
+five jobs (FSDP2 ZeRO-3 and ZeRO-2, HSDP 2x2, DDP, DDP with accumulation), one 2-rank
+torchrun runs fresh and resumed jobs across layouts, and one two-"node" c10d launch goes
+through the real CLI. ``make test`` runs them; about a minute on two cores.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlm.config import load_config
+from distlm.train.trainer import Trainer
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+STEPS, SAVE_AT = 6, 3
+TOL = dict(rtol=1e-5, atol=1e-5)
+# Tiny and fast, but every part that parallelism touches: tied embeddings, learned
+# positions (a root parameter besides the tie), biases, norms, and clipping that is
+# active on every step (grad norms here are ~0.5), so a wrong global norm shows up.
+BASE = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=256", "model.block_size=32",
+        "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
+        f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=4",
+        "train.lr=3e-2", "train.min_lr=3e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
+        "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
+        "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
+
+
+def overrides(root: Path, name: str, *extra: str) -> list[str]:
+    return BASE + [f"log.root={root}", f"log.name={name}", *extra]
+
+
+def ckpt(root: Path, name: str, step: int = SAVE_AT) -> Path:
+    return root / name / "checkpoints" / f"step_{step:07d}"
+
+
+def trace(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm), from the run's metrics.csv."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(r["step"]): (float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(f) if r["loss"]}
+
+
+def assert_matches(run_dir: Path, reference: dict, steps=range(1, STEPS + 1)) -> None:
+    got = trace(run_dir)
+    assert sorted(got) == list(steps), f"{run_dir.name}: logged steps {sorted(got)}"
+    for s in steps:
+        for what, a, b in zip(("loss", "grad_norm"), got[s], reference[s]):
+            assert math.isclose(a, b, rel_tol=TOL["rtol"], abs_tol=TOL["atol"]), \
+                f"{run_dir.name} step {s} {what}: {a!r} vs reference {b!r}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def check(procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, f"exit {p.returncode}:\n{out[-6000:]}"
+
+
+def torchrun(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_worker(root: Path, nproc: int, jobs: list[dict]) -> dict:
+    plan = root / f"plan_{nproc}.json"
+    out = root / f"results_{nproc}.json"
+    plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    check([torchrun("--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(plan))])
+    return json.loads(out.read_text())
+
+
+def train_here(args: list[str]) -> Trainer:
+    """One process, in this one. A single intra-op thread: on a shared, loaded box the
+    default two spin in OpenMP barriers and a step gets 30x slower (torchrun sets 1 too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(load_config(None, args))
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    return trainer
+
+
+# ---- launches (module scope: each runs once, every test reads its outputs) ----------
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="module")
+def reference(root) -> dict:
+    """One process, the plain large batch (no accumulation): the numbers all others must hit."""
+    train_here(overrides(root, "ref", "train.micro_batch_size=16"))
+    return trace(root / "ref")
+
+
+@pytest.fixture(scope="module")
+def four(root, reference) -> dict:
+    jobs = [
+        {"name": "fsdp4", "overrides": overrides(root, "fsdp4", "parallel.dp_shard=4")},
+        {"name": "fsdp4_zero2_accum", "overrides": overrides(root, "fsdp4_zero2_accum", "parallel.dp_shard=4",
+                                                             "parallel.reshard_after_forward=false",
+                                                             "train.micro_batch_size=2")},
+        {"name": "hsdp", "overrides": overrides(root, "hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2")},
+        {"name": "ddp4", "overrides": overrides(root, "ddp4", "parallel.dp_replicate=4")},
+        {"name": "ddp4_accum", "overrides": overrides(root, "ddp4_accum", "parallel.dp_replicate=4",
+                                                      "train.micro_batch_size=2")},
+    ]
+    return run_worker(root, 4, jobs)
+
+
+@pytest.fixture(scope="module")
+def two(root, four) -> dict:
+    resume_fsdp = f"train.resume={ckpt(root, 'fsdp4')}"
+    jobs = [
+        {"name": "fsdp2", "overrides": overrides(root, "fsdp2", "parallel.dp_shard=2")},
+        {"name": "ddp2", "overrides": overrides(root, "ddp2", "parallel.dp_replicate=2")},
+        {"name": "fsdp4_to_fsdp2_zero2", "overrides": overrides(root, "fsdp4_to_fsdp2_zero2", "parallel.dp_shard=2",
+                                                                "parallel.reshard_after_forward=false", resume_fsdp)},
+        {"name": "fsdp4_to_ddp2", "overrides": overrides(root, "fsdp4_to_ddp2", "parallel.dp_replicate=2",
+                                                         resume_fsdp)},
+        {"name": "ddp4_to_fsdp2", "overrides": overrides(root, "ddp4_to_fsdp2", "parallel.dp_shard=2",
+                                                         f"train.resume={ckpt(root, 'ddp4')}")},
+        {"name": "fsdp2_offload", "overrides": overrides(root, "fsdp2_offload", "parallel.dp_shard=2",
+                                                         "parallel.cpu_offload=true")},
+    ]
+    return run_worker(root, 2, jobs)
+
+
+# ---- 4 ranks -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["fsdp4", "fsdp4_zero2_accum", "hsdp", "ddp4", "ddp4_accum"])
+def test_four_ranks_match_reference(root, reference, four, name):
+    assert_matches(root / name, reference)
+    ranks = four[name]
+    assert [r["dp_rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["tied_after_training"] for r in ranks)
+
+
+@pytest.mark.parametrize("name", ["fsdp4", "hsdp", "ddp4"])
+def test_init_is_layout_independent_and_tied(four, name):
+    for r in four[name]:
+        assert r["init_mismatched"] == [] and r["n_params"] > 10
+        assert r["tied"]
+
+
+def test_fsdp_units_keep_the_tie_in_the_root(four):
+    for r in four["fsdp4"] + four["hsdp"]:
+        assert r["fsdp_root"] and all(r["fsdp_blocks"])
+        assert r["embedding_units"] == [False, False]  # tok_emb and head belong to the root unit
+    assert {r["model_type"] for r in four["ddp4"]} == {"DistributedDataParallel"}
+
+
+def test_mesh_groups_get_the_short_timeout(four):
+    assert four["fsdp4"][0]["group_timeouts_s"] == {"dp_shard": 60.0, "dp": 60.0}
+    assert four["hsdp"][0]["group_timeouts_s"] == {"dp_replicate": 60.0, "dp_shard": 60.0, "dp": 60.0}
+
+
+# ---- 2 ranks, resume across layouts ---------------------------------------------------
+@pytest.mark.parametrize("name", ["fsdp2", "ddp2", "fsdp2_offload"])
+def test_two_ranks_match_reference(root, reference, two, name):
+    assert_matches(root / name, reference)
+
+
+@pytest.mark.parametrize("name,source", [("fsdp4_to_fsdp2_zero2", "fsdp4"), ("fsdp4_to_ddp2", "fsdp4"),
+                                         ("ddp4_to_fsdp2", "ddp4")])
+def test_resume_on_another_layout_continues_the_run(root, reference, two, name, source):
+    assert {r["start_step"] for r in two[name]} == {SAVE_AT}
+    assert {r["resumed_from"] for r in two[name]} == {str(ckpt(root, source))}
+    assert_matches(root / name, reference, steps=range(SAVE_AT + 1, STEPS + 1))
+
+
+def test_resume_four_ranks_to_one_process(root, reference, four):
+    t = train_here(overrides(root, "fsdp4_to_1", "train.micro_batch_size=8", f"train.resume={ckpt(root, 'fsdp4')}"))
+    assert t.resumed_from == ckpt(root, "fsdp4") and t.gpt.head.weight is t.gpt.tok_emb.weight
+    assert_matches(root / "fsdp4_to_1", reference, steps=range(SAVE_AT + 1, STEPS + 1))
+
+
+def test_final_checkpoints_load_as_one_process_and_agree(root, four, two):
+    """The step-6 checkpoints written by FSDP and DDP (4 ranks) and by the DDP->FSDP resumed
+    run load into a plain model and give the reference's logits. Logits, not weights: a
+    parameter whose true gradient is zero (the attention key bias) gets an Adam update
+    driven by rounding noise, so it differs between layouts without changing the output."""
+    from distlm.inference import load_model
+    from distlm.model.loss import lm_loss
+    idx = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    with torch.no_grad():
+        for name in ("ref", "fsdp4", "ddp4", "ddp4_to_fsdp2"):
+            model, cfg, folder = load_model(ckpt(root, name, STEPS))
+            assert folder == ckpt(root, name, STEPS) and model.head.weight is model.tok_emb.weight
+            losses[name] = float(lm_loss(model(idx[:, :-1]), idx[:, 1:]))
+    for name, loss in losses.items():
+        assert math.isclose(loss, losses["ref"], rel_tol=1e-5, abs_tol=1e-5), losses
+
+
+# ---- two "nodes" through the CLI ------------------------------------------------------
+def test_two_node_c10d_rendezvous_through_cli(root, reference):
+    """Two torchrun agents (node ranks 0 and 1) meet at a c10d store, as on two hosts."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = overrides(root, "two_node", "parallel.dp_shard=2")
+    procs = [torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={i}", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=distlm-test", f"--rdzv-conf=is_host={int(i == 0)}",
+                      "-m", "distlm", "train", *args) for i in range(2)]
+    check(procs)
+    assert_matches(root / "two_node", reference)

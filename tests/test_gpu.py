@@ -1,0 +1,37 @@
+"""CUDA-only checks; skipped where CUDA is absent. Run them through the device tool:
+    python3 -m pytest -q -m gpu tests/test_gpu.py
+"""
+import pytest
+import torch
+
+from distlm.config import ModelConfig, load_config
+from distlm.model.generate import KVCache
+from distlm.model.gpt import GPT
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_bf16_cache_matches_recompute_on_cuda():
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=128, d_ff=256, block_size=64, vocab_size=500, position="rope")
+    model = GPT(cfg).cuda().eval()
+    idx = torch.randint(0, 500, (2, 40), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        full = model(idx).float()
+        cache = KVCache(model, 2, 64, dtype=torch.bfloat16)
+        a = model(idx[:, :30], cache=cache, start_pos=0)
+        b = torch.cat([model(idx[:, t:t + 1], cache=cache, start_pos=t) for t in range(30, 40)], 1)
+    got = torch.cat([a, b], 1).float()
+    assert (got - full).norm() / full.norm() < 2e-2
+
+
+def test_trainer_runs_bf16_compiled_on_cuda(tmp_path):
+    from distlm.train.trainer import Trainer
+    cfg = load_config("tiny", ["data.source=synthetic", "model.vocab_size=1000", "train.max_steps=6",
+                               "train.compile=true", "train.eval_every=0", "log.progress=false",
+                               f"log.root={tmp_path}", "log.name=g", "log.every=3"])
+    t = Trainer(cfg)
+    assert t.device.type == "cuda" and t.amp_dtype == torch.bfloat16
+    summary = t.train()
+    assert summary["step"] == 6 and summary["train_loss"] < 7.5
+    assert next(t.optimizer.param_groups[0]["params"].__iter__()).dtype == torch.float32  # fp32 master weights
