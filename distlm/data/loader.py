@@ -78,7 +78,8 @@ class BatchLoader:
     """
 
     def __init__(self, blocks: TokenBlocks | None, *, seed: int, global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, synthetic_vocab: int = 0, block_size: int = 0):
+                 dp_rank: int = 0, dp_size: int = 1, synthetic_vocab: int = 0, block_size: int = 0,
+                 pin_memory: bool = False):
         if global_batch % (micro_batch * dp_size):
             raise DataError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} "
                             f"x data-parallel size {dp_size}")
@@ -87,6 +88,7 @@ class BatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.synthetic_vocab = synthetic_vocab
         self.block_size = blocks.block_size if blocks is not None else block_size
+        self.pin_memory = pin_memory
         self.step = 0  # the next step to serve: the loader's whole resumable state
 
     @property
@@ -105,6 +107,8 @@ class BatchLoader:
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         rows = torch.from_numpy(self._rank_rows(step))
+        if self.pin_memory:  # page-locked, so the copy to the GPU is asynchronous
+            rows = rows.pin_memory()
         out = []
         for m in range(self.accum_steps):
             chunk = rows[m * self.micro_batch:(m + 1) * self.micro_batch]

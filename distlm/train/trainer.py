@@ -91,6 +91,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + self.dims.rank)  # dropout differs per rank, by design
         self.model, self.gpt = build_model(cfg, self.dims, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
+        # Compiled, the fp32 cast, log-softmax and gather over the vocabulary fuse into one
+        # pass instead of materialising fp32 logits (3.3 GB at B=16, T=1024, V=50k).
+        self.loss_fn = torch.compile(lm_loss) if cfg.train.compile else lm_loss
         self.loader = self._build_loader()
         self.step = 0
         self.tokens_seen = 0
@@ -128,7 +131,8 @@ class Trainer:
             self.val_blocks = None
         return BatchLoader(blocks, seed=t.seed, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
-                           synthetic_vocab=m.vocab_size, block_size=m.block_size)
+                           synthetic_vocab=m.vocab_size, block_size=m.block_size,
+                           pin_memory=self.device.type == "cuda")
 
     def _maybe_resume(self) -> Optional[Path]:
         resume = self.cfg.train.resume
@@ -206,7 +210,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
             with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast():
-                loss = lm_loss(self.model(x), y) / len(micro)
+                loss = self.loss_fn(self.model(x), y) / len(micro)
                 loss.backward()
             loss_sum += loss.detach()
         mark("forward_backward")
