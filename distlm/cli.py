@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-root", default="data", help="where prepared data is cached")
     s.add_argument("--max-steps", type=int, default=None, help="override the demo's step count")
     s.set_defaults(fn=cmd_demo)
+    __import__("distlm.interop.hf", fromlist=["add_export_parser"]).add_export_parser(sub)
     return p
 
 

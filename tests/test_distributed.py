@@ -77,7 +77,9 @@ def child_env() -> dict:
     return env
 
 
-def check(procs: list[subprocess.Popen], timeout: float = 240) -> None:
+def check(procs: list[subprocess.Popen], log: Path, timeout: float = 240) -> None:
+    """Wait for all; on failure show the first error lines of each rank (the tail is
+    mostly the other ranks reporting that a peer went away)."""
     outs = []
     for p in procs:
         try:
@@ -87,8 +89,11 @@ def check(procs: list[subprocess.Popen], timeout: float = 240) -> None:
                 q.kill()
             raise
         outs.append(out)
+    log.write_text("\n".join(outs))
     for p, out in zip(procs, outs):
-        assert p.returncode == 0, f"exit {p.returncode}:\n{out[-6000:]}"
+        if p.returncode != 0:
+            errors = [line for line in out.splitlines() if "Error" in line or "error:" in line][:12]
+            pytest.fail(f"exit {p.returncode} (full log {log}):\n" + "\n".join(errors) + "\n...\n" + out[-3000:])
 
 
 def torchrun(*args: str) -> subprocess.Popen:
@@ -100,7 +105,7 @@ def run_worker(root: Path, nproc: int, jobs: list[dict]) -> dict:
     plan = root / f"plan_{nproc}.json"
     out = root / f"results_{nproc}.json"
     plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    check([torchrun("--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(plan))])
+    check([torchrun("--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(plan))], root / f"launch_{nproc}.log")
     return json.loads(out.read_text())
 
 
@@ -237,5 +242,5 @@ def test_two_node_c10d_rendezvous_through_cli(root, reference):
     procs = [torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={i}", "--rdzv-backend=c10d",
                       f"--rdzv-endpoint={endpoint}", "--rdzv-id=distlm-test", f"--rdzv-conf=is_host={int(i == 0)}",
                       "-m", "distlm", "train", *args) for i in range(2)]
-    check(procs)
+    check(procs, root / "launch_two_node.log")
     assert_matches(root / "two_node", reference)

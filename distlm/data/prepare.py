@@ -43,6 +43,7 @@ SPLITS = ("train", "val")
 CACHE_CHARS = 256 << 20  # documents up to this size stay in memory between the passes
 POOL_MIN_BYTES = 1 << 20  # smaller inputs: starting worker processes costs more than it saves
 TASK_CHARS = 1 << 19  # text per pool task: small enough to balance, big enough to amortise
+START_METHOD = "fork" if sys.platform == "linux" else "spawn"  # see _pool
 _BIN_SPLIT = re.compile(r"(?:^|[_.-])(train|val)(?:[_.-]|$)")
 
 
@@ -132,7 +133,10 @@ def _prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, n_
     with contextlib.ExitStack() as stack:
         pool = None
         if name == "gpt2" and n_workers > 1:  # boots while the documents are scanned
-            pool = stack.enter_context(_pool(n_workers, name, None))
+            tok = tkz.gpt2()
+            if START_METHOD == "fork":
+                tok.encoding  # noqa: B018 - built once here, inherited by every worker
+            pool = stack.enter_context(_pool(n_workers, tok, None))
         stats = SourceStats()
         cache, keys, n_chars, n_bytes = _scan(read(stats), options["seed"])
         flags, method = _assign_splits(keys, val_fraction)
@@ -144,7 +148,7 @@ def _prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, n_
                                 progress=progress and sys.stderr.isatty())
             tok.save(tmp)
             if n_workers > 1:
-                pool = stack.enter_context(_pool(n_workers, name, str(tmp)))
+                pool = stack.enter_context(_pool(n_workers, tok, str(tmp)))
         docs = cache if cache is not None else read(SourceStats())
         splits = _tokenize(docs, flags, tok, pool, n_workers, tmp, options, progress, n_chars)
     return {"tokenizer": _tokenizer_info(tok), "dtype": tok.dtype, "split_method": method, "splits": splits,
@@ -152,15 +156,35 @@ def _prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, n_
 
 
 @contextlib.contextmanager
-def _pool(n: int, name: str, data_dir: str | None):
+def _pool(n: int, tok: tkz.Tokenizer, data_dir: str | None):
+    """``n`` worker processes, each holding ``tok`` (built by pool_init, or inherited by fork).
+
+    Linux forks: a spawned worker re-imports the caller's main module and its
+    imports (torch: seconds each), longer than tokenizing a small corpus. Workers
+    only run tokenizer code, so the parent's threads cannot trip them up; the code
+    stays spawn-safe for the platforms where fork is not offered or not safe.
+    An executor rather than multiprocessing.Pool: a dead worker fails the run
+    instead of hanging it.
+    """
     import multiprocessing
-    # spawn, not fork: the parent may hold threads (tiktoken, tokenizers, torch) that fork would break.
-    pool = multiprocessing.get_context("spawn").Pool(n, initializer=tkz.pool_init, initargs=(name, data_dir))
+    import warnings
+    from concurrent.futures import ProcessPoolExecutor
+    ctx = multiprocessing.get_context(START_METHOD)
+    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=tkz.pool_init, initargs=(tok.name, data_dir))
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # tells tokenizers the fork is deliberate
     try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+            for _ in range(n):  # start every worker now, so they boot while the parent reads
+                pool.submit(int)
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
         yield pool
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _scan(docs, seed: int):
@@ -233,7 +257,7 @@ def _tokenize(docs, flags: bytearray, tok: tkz.Tokenizer, pool, n_workers: int, 
     def drain(limit: int) -> None:
         while len(pending) > limit:
             result, size = pending.popleft()
-            for split, data in result.get() if pool is not None else result:
+            for split, data in _result(result) if pool is not None else result:
                 if split == WHOLE:
                     whole.append(data)
                 else:
@@ -242,7 +266,7 @@ def _tokenize(docs, flags: bytearray, tok: tkz.Tokenizer, pool, n_workers: int, 
 
     with bar:
         for task, size in _tasks(docs, flags, tok.chunk_chars):
-            work = pool.apply_async(tkz.pool_encode, (task,)) if pool is not None else tkz.encode_task(tok, task)
+            work = pool.submit(tkz.pool_encode, task) if pool is not None else tkz.encode_task(tok, task)
             pending.append((work, size))
             drain(2 * n_workers)  # a bounded window: memory stays flat on any corpus size
         drain(0)
@@ -254,6 +278,15 @@ def _tokenize(docs, flags: bytearray, tok: tkz.Tokenizer, pool, n_workers: int, 
         writers[VAL].write(data[cut:])
     docs_per_split = [flags.count(TRAIN) + flags.count(WHOLE), flags.count(VAL) + flags.count(WHOLE)]
     return {s: w.finish(d) for s, w, d in zip(SPLITS, writers, docs_per_split)}
+
+
+def _result(future) -> list:
+    from concurrent.futures.process import BrokenProcessPool
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise DataError("a tokenizer worker process died (out of memory? or prepare() called from a script "
+                        "without `if __name__ == '__main__':`, which spawned workers need)") from None
 
 
 class _ShardWriter:

@@ -116,6 +116,8 @@ class Trainer:
         if run_dir.exists() and any(run_dir.iterdir()) and self.cfg.train.resume == "never":
             raise ConfigError(f"run directory {run_dir} already exists; pass train.resume=auto to continue it, "
                               f"or choose another log.name")
+        if self.dims.is_distributed:
+            dist.barrier()  # else rank 0 may create the folder before a slower rank has checked it
         return run_dir
 
     def _build_loader(self) -> BatchLoader:

@@ -1,0 +1,259 @@
+"""Hugging Face interop: export to GPT2LMHeadModel / LlamaForCausalLM, import back, exact logits."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from distlm.config import Config, ModelConfig  # noqa: E402
+from distlm.interop import (ExportError, InteropError, apply_hf_model_config, export_hf,  # noqa: E402
+                            load_hf_into, model_config_from_hf)
+from distlm.interop.hf import hf_architecture  # noqa: E402
+from distlm.model.generate import SamplingConfig, generate_tokens  # noqa: E402
+from distlm.model.gpt import GPT  # noqa: E402
+from distlm.train.checkpoint import save_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TOL = 1e-4
+GPT2_LIKE = dict(position="learned", norm="layernorm", mlp="gelu")
+LLAMA_LIKE = dict(position="rope", norm="rmsnorm", mlp="swiglu")
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    from conftest import SAMPLE_TEXT
+    from distlm.data.tokenizer import train_bpe
+    return train_bpe(SAMPLE_TEXT, 300)
+
+
+@torch.no_grad()
+def randomize(model, seed=0):
+    # Init leaves biases at 0 and norm weights at 1: a swapped or dropped bias would pass.
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.05 * noise)
+    return model
+
+
+def make_run(root, tok=None, vocab_size=None, **model_kw):
+    """A run folder as the Trainer leaves it: RUN/checkpoints/step_*/ and RUN/tokenizer/."""
+    cfg = Config()
+    cfg.model = ModelConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32,
+                            vocab_size=vocab_size or tok.vocab_size, **model_kw)
+    model = randomize(GPT(cfg.model))
+    if tok is not None:
+        (root / "tokenizer").mkdir(parents=True)
+        tok.save(root / "tokenizer")
+        (root / "tokenizer" / "tokenizer.meta.json").write_text(json.dumps({"name": tok.name}))
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(root / "checkpoints", 1, model, opt, {"trainer": {}, "config": cfg.to_dict()})
+    return model.eval(), cfg
+
+
+def load_hf(out):
+    m = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert next(m.parameters()).dtype == torch.float32
+    return m
+
+
+def max_diff(ours, hf, vocab, ids):
+    with torch.no_grad():
+        return (ours(ids)[..., :vocab] - hf(ids).logits).abs().max().item()
+
+
+def distlm_from_hf(path, meta=False):
+    cfg = ModelConfig()
+    apply_hf_model_config(cfg, path)
+    if meta:  # the Trainer's path: build on meta, materialise, init, then load
+        with torch.device("meta"):
+            model = GPT(cfg)
+        model.to_empty(device="cpu")
+        model.init_weights()
+    else:
+        model = GPT(cfg)
+    load_hf_into(model, path)
+    return model.eval()
+
+
+EXPORTS = [
+    ("gpt2-tied-bias", GPT2_LIKE, True, True, "GPT2LMHeadModel"),
+    ("gpt2-untied-bias", GPT2_LIKE, False, True, "GPT2LMHeadModel"),
+    ("gpt2-tied-nobias", GPT2_LIKE, True, False, "GPT2LMHeadModel"),
+    ("gpt2-untied-nobias", GPT2_LIKE, False, False, "GPT2LMHeadModel"),
+    ("sinusoidal", dict(GPT2_LIKE, position="sinusoidal"), True, True, "GPT2LMHeadModel"),
+    ("llama-tied", LLAMA_LIKE, True, False, "LlamaForCausalLM"),
+    ("llama-untied", LLAMA_LIKE, False, False, "LlamaForCausalLM"),
+    ("llama-untied-bias", LLAMA_LIKE, False, True, "LlamaForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("name,arch,tie,bias,cls", EXPORTS, ids=[e[0] for e in EXPORTS])
+def test_export_logits_match(tmp_path, bpe, name, arch, tie, bias, cls):
+    model, cfg = make_run(tmp_path / "run", bpe, tie_embeddings=tie, bias=bias, **arch)
+    assert cfg.model.padded_vocab_size > cfg.model.vocab_size  # the padding rows must be cut
+    summary = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert summary["architecture"] == cls
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    hf = load_hf(tmp_path / "hf")
+    assert type(hf).__name__ == cls
+    assert hf.get_output_embeddings().weight.shape[0] == cfg.model.vocab_size
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
+    assert max_diff(model, hf, cfg.model.vocab_size, ids) <= TOL
+
+    # ... and back: distlm -> HF -> distlm generates the same greedy tokens.
+    back = distlm_from_hf(tmp_path / "hf", meta=True)
+    sc = SamplingConfig(max_new_tokens=40, temperature=0)  # runs past block_size: the window restart too
+    prompt = ids[0, :5].tolist()
+    a = torch.stack(list(generate_tokens(model, prompt, sc))).tolist()
+    b = torch.stack(list(generate_tokens(back, prompt, sc))).tolist()
+    assert a == b
+
+
+def test_gpt2_tokenizer_and_vocab(tmp_path):
+    from distlm.data.tokenizer import gpt2
+    model, cfg = make_run(tmp_path / "run", gpt2(), **GPT2_LIKE)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("Hello world").input_ids == [15496, 995]
+    assert tok.eos_token_id == 50256 and tok.decode([15496, 995]) == "Hello world"
+    assert transformers.GPT2TokenizerFast.from_pretrained(tmp_path / "hf")("Hello world").input_ids == [15496, 995]
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["vocab_size"] == 50257 and conf["eos_token_id"] == 50256
+    hf = load_hf(tmp_path / "hf")
+    ids = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(2))
+    assert max_diff(model, hf, 50257, ids) <= TOL
+
+
+def test_bpe_tokenizer_loads(tmp_path, bpe):
+    make_run(tmp_path / "run", bpe, **LLAMA_LIKE)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Call me Ishmael. Some years ago, never mind how long"
+    assert tok(text).input_ids == bpe.encode(text)
+    assert tok.decode(bpe.encode(text)) == text
+    assert tok.eos_token_id == bpe.eos_id == json.loads((tmp_path / "hf" / "generation_config.json").read_text())[
+        "eos_token_id"]
+
+
+@pytest.mark.parametrize("arch,field", [
+    (dict(position="rope", norm="layernorm", mlp="swiglu"), "model.norm=layernorm"),
+    (dict(position="learned", norm="layernorm", mlp="swiglu"), "model.mlp=swiglu"),
+    (dict(position="sinusoidal", norm="rmsnorm", mlp="gelu"), "model.norm=rmsnorm"),
+    (dict(position="rope", norm="rmsnorm", mlp="gelu"), "model.mlp=gelu"),
+])
+def test_unmappable_config_is_refused(tmp_path, bpe, arch, field):
+    with pytest.raises(ExportError, match=field):
+        hf_architecture(ModelConfig(vocab_size=10, **arch))
+    make_run(tmp_path / "run", bpe, **arch)
+    with pytest.raises(ExportError, match=field) as e:
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written
+
+
+def test_failed_export_leaves_nothing_and_existing_out_is_kept(tmp_path, bpe, monkeypatch):
+    import distlm.interop.hf as hfmod
+    make_run(tmp_path / "run", bpe, **GPT2_LIKE)
+
+    def boom(*a):
+        raise OSError("disk full")
+    monkeypatch.setattr(hfmod, "_write_tokenizer", boom)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    monkeypatch.undo()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="already exists"):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    export_hf(tmp_path / "run", tmp_path / "hf", overwrite=True)
+    assert not (tmp_path / "hf" / "keep.txt").exists() and (tmp_path / "hf" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+
+
+@torch.no_grad()
+def hf_randomize(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        p.copy_(1 + 0.1 * noise if ("norm" in name or "ln_" in name) and name.endswith("weight") else 0.05 * noise)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_import_gpt2(tmp_path, tie):
+    conf = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                   tie_word_embeddings=tie, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    hf = hf_randomize(transformers.GPT2LMHeadModel(conf))
+    hf.save_pretrained(tmp_path)
+    fields = model_config_from_hf(tmp_path)
+    assert fields["d_ff"] == 128 and fields["tie_embeddings"] is tie and fields["position"] == "learned"
+    model = distlm_from_hf(tmp_path)
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(3))
+    assert max_diff(model, hf, 100, ids) <= TOL
+
+
+def test_import_gpt2_bin_without_prefix_and_shorter_context(tmp_path):
+    # The layout of the original hub checkpoint: pytorch_model.bin of a bare GPT2Model.
+    conf = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    hf = hf_randomize(transformers.GPT2LMHeadModel(conf))
+    conf.save_pretrained(tmp_path)
+    torch.save({k: v.clone() for k, v in hf.transformer.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    cfg = ModelConfig()
+    apply_hf_model_config(cfg, tmp_path, block_size=16)
+    model = GPT(cfg)
+    load_hf_into(model, tmp_path)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    assert max_diff(model.eval(), hf, 100, ids) <= TOL
+
+
+@pytest.mark.parametrize("tie,bias", [(True, False), (False, False), (False, True)])
+def test_import_llama(tmp_path, tie, bias):
+    conf = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                    rms_norm_eps=1e-5, tie_word_embeddings=tie, attention_bias=bias, mlp_bias=bias,
+                                    rope_theta=500.0)
+    hf = hf_randomize(transformers.LlamaForCausalLM(conf))
+    hf.save_pretrained(tmp_path)
+    fields = model_config_from_hf(tmp_path)
+    assert fields["rope_theta"] == 500.0 and fields["bias"] is bias and fields["norm_eps"] == 1e-5
+    model = distlm_from_hf(tmp_path, meta=True)
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(5))
+    assert max_diff(model, hf, 100, ids) <= TOL
+
+
+def test_import_refuses_what_distlm_cannot_represent(tmp_path):
+    conf = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(conf).save_pretrained(tmp_path / "gqa")
+    with pytest.raises(InteropError, match="num_key_value_heads=2"):
+        apply_hf_model_config(ModelConfig(), tmp_path / "gqa")
+    conf = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                   activation_function="relu")
+    transformers.GPT2LMHeadModel(conf).save_pretrained(tmp_path / "relu")
+    with pytest.raises(InteropError, match="activation_function='relu'"):
+        model_config_from_hf(tmp_path / "relu")
+    with pytest.raises(InteropError, match="config.json: missing"):
+        model_config_from_hf(tmp_path)
+    # A model built with other fields than the folder's is refused, not half-loaded.
+    conf = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    transformers.GPT2LMHeadModel(conf).save_pretrained(tmp_path / "ok")
+    cfg = ModelConfig()
+    apply_hf_model_config(cfg, tmp_path / "ok")
+    cfg.n_layer = 3
+    with pytest.raises(InteropError, match="model.n_layer=3"):
+        load_hf_into(GPT(cfg), tmp_path / "ok")
+
+
+def test_cli_export(tmp_path, bpe, capsys):
+    from distlm.cli import main
+    make_run(tmp_path / "run", bpe, **LLAMA_LIKE)
+    assert main(["export", "--format", "hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    make_run(tmp_path / "bad", bpe, position="rope", norm="layernorm", mlp="swiglu")
+    assert main(["export", str(tmp_path / "bad"), str(tmp_path / "hf2")]) == 2
+    assert "model.norm=layernorm" in capsys.readouterr().err
