@@ -7,6 +7,7 @@
     distlm generate --checkpoint RUN_OR_CKPT --prompt TEXT
     distlm plot RUN... [--out loss.png]
     distlm demo
+    distlm env [--json]                      (torchrun ... -m distlm env: every rank, one all-reduce)
 """
 from __future__ import annotations
 
@@ -185,6 +186,11 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_env(args) -> int:
+    from distlm.parallel.launch import print_env
+    return print_env(as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distlm", description="Train GPT-style language models from scratch, "
                                 "from one CPU to many GPUs (torch.distributed).")
@@ -264,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-root", default="data", help="where prepared data is cached")
     s.add_argument("--max-steps", type=int, default=None, help="override the demo's step count")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("env", help="versions, GPUs, backend, world size; under torchrun also one all-reduce")
+    s.add_argument("--json", action="store_true", help="print JSON (all ranks' reports under torchrun)")
+    s.set_defaults(fn=cmd_env)
     __import__("distlm.interop.hf", fromlist=["add_export_parser"]).add_export_parser(sub)
     return p
 

@@ -1,9 +1,18 @@
-"""Data preparation: documents in, token shards plus a manifest out.
+"""Data: documents in (``prepare``), token shards plus ``manifest.json`` out.
 
-Submodules are imported on demand (``distlm.data.prepare``, ``.tokenizer``,
-``.sources``) so that importing this package stays cheap: spawned tokenizer
-workers import it and should not pay for numpy or pyarrow.
+This package itself holds only what readers of a prepared folder need (the error
+type and the manifest checks), in the standard library alone: the trainer imports
+it, and so does every tokenizer worker process. ``distlm.data.prepare``,
+``.tokenizer`` and ``.sources`` are imported on demand.
 """
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
 
 
 class DataError(ValueError):
@@ -14,4 +23,61 @@ class DataError(ValueError):
     """
 
 
-__all__ = ["DataError"]
+def read_json(path: Path) -> dict | None:
+    """A JSON object from ``path``, or None if it is missing or not one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def load_manifest(data_dir: str | Path) -> dict:
+    """The manifest of a prepared folder; DataError naming the path if missing or invalid."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path}: not found; create it with `distlm prepare INPUT... --out {data_dir}`")
+    manifest = read_json(path)
+    if manifest is None:
+        raise DataError(f"{path}: not a valid JSON manifest; run `distlm prepare` again")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}; "
+                        f"run `distlm prepare` again")
+    for key in ("tokenizer", "dtype", "splits"):
+        if key not in manifest:
+            raise DataError(f"{path}: missing field {key!r}")
+    return manifest
+
+
+def _shards(manifest: dict) -> list[dict]:
+    return [shard for split in manifest["splits"].values() for shard in split["shards"]]
+
+
+def shards_present(data_dir: str | Path, manifest: dict) -> bool:
+    """Every listed file is there with the right size (cheap; verify_shards reads contents)."""
+    try:
+        itemsize = 2 if manifest["dtype"] == "uint16" else 4
+        sized = all((Path(data_dir) / s["file"]).stat().st_size == s["tokens"] * itemsize for s in _shards(manifest))
+        tok_file = manifest["tokenizer"].get("file")
+        return sized and (tok_file is None or (Path(data_dir) / tok_file).is_file())
+    except (OSError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def verify_shards(data_dir: str | Path, manifest: dict | None = None) -> None:
+    """Check each shard's size and sha256 against the manifest; DataError naming the first bad one."""
+    manifest = manifest if manifest is not None else load_manifest(data_dir)
+    itemsize = 2 if manifest["dtype"] == "uint16" else 4
+    for shard in _shards(manifest):
+        path = Path(data_dir) / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
+            raise DataError(f"{path}: missing or not {shard['tokens']} tokens long, as the manifest says")
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 23):
+                digest.update(block)
+        if digest.hexdigest() != shard["sha256"]:
+            raise DataError(f"{path}: sha256 {digest.hexdigest()} does not match the manifest's {shard['sha256']}")
+
+
+__all__ = ["DataError", "FORMAT_VERSION", "MANIFEST", "load_manifest", "shards_present", "verify_shards"]

@@ -21,10 +21,10 @@ folder that has files but no manifest.json is never replaced.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 from array import array
@@ -32,19 +32,17 @@ from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
-from distlm.data import DataError
+from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401
+                         shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
-from distlm.data.sources import SourceStats, iter_documents, read_token_file, resolve_inputs, source_files
+from distlm.data.sources import (SourceStats, iter_documents, pretokenized_inputs, read_token_file,
+                                 resolve_inputs, source_files)
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 TRAIN, VAL, WHOLE = 0, 1, 2  # WHOLE: the lone document, cut by tokens at the end
 SPLITS = ("train", "val")
-CACHE_CHARS = 256 << 20  # documents up to this size stay in memory between the passes
+CACHE_CHARS = 256 << 20  # corpora up to this size are read once; bigger ones twice
 POOL_MIN_BYTES = 1 << 20  # smaller inputs: starting worker processes costs more than it saves
 TASK_CHARS = 1 << 19  # text per pool task: small enough to balance, big enough to amortise
-START_METHOD = "fork" if sys.platform == "linux" else "spawn"  # see _pool
-_BIN_SPLIT = re.compile(r"(?:^|[_.-])(train|val)(?:[_.-]|$)")
 
 
 def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fraction: float = 0.05,
@@ -53,18 +51,19 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
     """Tokenize ``inputs`` into ``out_dir``; returns the manifest (see the module docstring)."""
     inputs, out_dir = [str(i) for i in inputs], Path(out_dir)
     _check_options(tokenizer, val_fraction, seed, workers, shard_tokens)
+    _recover_stale(out_dir)
     _check_out_dir(out_dir)
     options = {"tokenizer": tokenizer, "val_fraction": val_fraction, "seed": seed, "separator": separator,
                "text_field": text_field, "shard_tokens": shard_tokens}
-    pretok = _pretokenized(inputs, tokenizer)
+    pretok = pretokenized_inputs(inputs, tokenizer)
     if pretok:
         per_input = [(str(p), [p]) for p in pretok[0] + pretok[1]]
     else:
         per_input = [(raw, [f for s in resolve_inputs([raw], out_dir) for f in source_files(s)]) for raw in inputs]
     files = [f for _, fs in per_input for f in fs]
     fingerprint = _inputs_fingerprint(files, options)
-    old = _read_json(out_dir / MANIFEST)
-    if old and old.get("inputs_fingerprint") == fingerprint and _shards_present(out_dir, old):
+    old = read_json(out_dir / MANIFEST)
+    if old and old.get("inputs_fingerprint") == fingerprint and shards_present(out_dir, old):
         print(f"{out_dir}: up to date")
         return old
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -75,11 +74,11 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
         if pretok:
             body = _prepare_pretokenized(*pretok, tmp, shard_tokens)
         else:
-            disk_bytes = sum(f.stat().st_size for f in files)
-            body = _prepare_text(inputs, out_dir, tmp, options, _n_workers(workers, disk_bytes), progress)
-        manifest = {"format_version": FORMAT_VERSION, **body,
-                    "sources": [{"path": raw, "files": len(fs), "bytes": sum(f.stat().st_size for f in fs)}
-                                for raw, fs in per_input],
+            workers = workers or _default_workers(sum(f.stat().st_size for f in files))
+            body = _prepare_text(inputs, out_dir, tmp, options, workers, progress)
+        sources = [{"path": raw, "files": len(fs), "bytes": sum(f.stat().st_size for f in fs)}
+                   for raw, fs in per_input]
+        manifest = {"format_version": FORMAT_VERSION, **body, "sources": sources,
                     "inputs_fingerprint": fingerprint, "options": options, "seed": seed,
                     "val_fraction": val_fraction, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
@@ -91,14 +90,13 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
 
 def _check_options(tokenizer: str, val_fraction: float, seed: int, workers: int | None, shard_tokens: int) -> None:
     tkz.check_tokenizer_name(tokenizer)
-    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r} must be at least 0 and below 1")
-    if not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, int):
         raise DataError(f"seed {seed!r} must be an integer")
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise DataError(f"workers {workers!r} must be a positive integer")
-    if not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise DataError(f"shard_tokens {shard_tokens!r} must be a positive integer")
+    for name, value in (("workers", 1 if workers is None else workers), ("shard_tokens", shard_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DataError(f"{name} {value!r} must be a positive integer")
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -108,9 +106,32 @@ def _check_out_dir(out_dir: Path) -> None:
         raise DataError(f"{out_dir}: not empty and has no {MANIFEST}; refusing to replace it (choose another --out)")
 
 
-def _n_workers(workers: int | None, disk_bytes: int) -> int:
-    if workers is not None:
-        return workers
+def _recover_stale(out_dir: Path) -> None:
+    """Clean up after a run that was killed outright (SIGKILL, power cut) mid-way."""
+    prefix = f".{out_dir.name}."
+    if os.name != "posix" or not out_dir.parent.is_dir():
+        return
+    for path in sorted(out_dir.parent.glob(glob.escape(prefix) + "*-*")):
+        tag, _, pid = path.name[len(prefix):].partition("-")
+        if tag not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if tag == "old" and not out_dir.exists():  # killed between the two renames of _swap_in
+            os.replace(path, out_dir)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _default_workers(disk_bytes: int) -> int:
     if disk_bytes < POOL_MIN_BYTES:
         return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -123,85 +144,60 @@ def _inputs_fingerprint(files: list[Path], options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, n_workers: int,
-                  progress: bool) -> dict:
-    def read(stats: SourceStats):
-        return iter_documents(inputs, separator=options["separator"], text_field=options["text_field"],
-                              stats=stats, exclude=out_dir)
+def _prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, workers: int, progress: bool) -> dict:
+    def texts():
+        docs = iter_documents(inputs, separator=options["separator"], text_field=options["text_field"],
+                              stats=SourceStats(), exclude=out_dir)
+        return (text for _, text in docs)
 
     name, val_fraction = options["tokenizer"], options["val_fraction"]
+    stats = SourceStats()
+    first_read = iter_documents(inputs, separator=options["separator"], text_field=options["text_field"],
+                                stats=stats, exclude=out_dir)
     with contextlib.ExitStack() as stack:
-        pool = None
-        if name == "gpt2" and n_workers > 1:  # boots while the documents are scanned
-            tok = tkz.gpt2()
-            if START_METHOD == "fork":
-                tok.encoding  # noqa: B018 - built once here, inherited by every worker
-            pool = stack.enter_context(_pool(n_workers, tok, None))
-        stats = SourceStats()
-        cache, keys, n_chars, n_bytes = _scan(read(stats), options["seed"])
-        flags, method = _assign_splits(keys, val_fraction)
-        if name == "gpt2":
-            tok = tkz.gpt2()
-        else:
-            docs = cache if cache is not None else read(SourceStats())
+        # gpt2 encodes while the documents are first read; bpe:N must read them all to train first.
+        tok = tkz.gpt2() if name == "gpt2" else None
+        batcher = _Batcher(stack, workers, tok, None) if tok is not None else None
+        scan = _scan(first_read, options["seed"], batcher)
+        flags, method = _assign_splits(scan["keys"], val_fraction)
+        if tok is None:
+            docs = scan["cache"] if scan["cache"] is not None else texts()
             tok = tkz.train_bpe(_train_texts(docs, flags, val_fraction), tkz.parse_bpe_size(name),
                                 progress=progress and sys.stderr.isatty())
             tok.save(tmp)
-            if n_workers > 1:
-                pool = stack.enter_context(_pool(n_workers, tok, str(tmp)))
-        docs = cache if cache is not None else read(SourceStats())
-        splits = _tokenize(docs, flags, tok, pool, n_workers, tmp, options, progress, n_chars)
-    return {"tokenizer": _tokenizer_info(tok), "dtype": tok.dtype, "split_method": method, "splits": splits,
-            "stats": {**stats.as_dict(), "chars": n_chars, "text_bytes": n_bytes}}
+            batcher = _Batcher(stack, workers, tok, str(tmp))
+        sink = _Sink(tmp, flags, tok.dtype, options["shard_tokens"])
+        _encode_rest(batcher, sink, scan, texts, progress, tok.name)
+    return {"tokenizer": _tokenizer_info(tok), "dtype": tok.dtype, "split_method": method,
+            "splits": sink.finish(val_fraction),
+            "stats": {**stats.as_dict(), "chars": scan["chars"], "text_bytes": scan["bytes"]}}
 
 
-@contextlib.contextmanager
-def _pool(n: int, tok: tkz.Tokenizer, data_dir: str | None):
-    """``n`` worker processes, each holding ``tok`` (built by pool_init, or inherited by fork).
+def _scan(docs, seed: int, batcher: _Batcher | None) -> dict:
+    """The first read: every document's split key and the totals.
 
-    Linux forks: a spawned worker re-imports the caller's main module and its
-    imports (torch: seconds each), longer than tokenizing a small corpus. Workers
-    only run tokenizer code, so the parent's threads cannot trip them up; the code
-    stays spawn-safe for the platforms where fork is not offered or not safe.
-    An executor rather than multiprocessing.Pool: a dead worker fails the run
-    instead of hanging it.
+    Up to CACHE_CHARS of text, documents are also handed to ``batcher`` (when the
+    tokenizer is already known) or kept in memory, so small corpora are read once.
     """
-    import multiprocessing
-    import warnings
-    from concurrent.futures import ProcessPoolExecutor
-    ctx = multiprocessing.get_context(START_METHOD)
-    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=tkz.pool_init, initargs=(tok.name, data_dir))
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # tells tokenizers the fork is deliberate
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-            for _ in range(n):  # start every worker now, so they boot while the parent reads
-                pool.submit(int)
-        if saved is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
-        yield pool
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _scan(docs, seed: int):
-    """First pass: each document's split key, the totals, and the documents if they are small."""
-    cache: list | None = []
-    keys, n_chars, n_bytes = array("d"), 0, 0
+    keys, chars, n_bytes, streamed, cache = array("d"), 0, 0, 0, []
     key = str(seed).encode()[:64]
-    for item in docs:
-        data = item[1].encode("utf-8")
-        digest = hashlib.blake2b(data, digest_size=8, key=key).digest()
-        keys.append(int.from_bytes(digest, "big") / 2.0 ** 64)
-        n_chars, n_bytes = n_chars + len(item[1]), n_bytes + len(data)
-        if cache is not None:
-            cache.append(item)
-            if n_chars > CACHE_CHARS:
-                cache = None
-    return cache, keys, n_chars, n_bytes
+    for i, (_, text) in enumerate(docs):
+        data = text.encode("utf-8")
+        keys.append(int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "big") / 2.0 ** 64)
+        chars, n_bytes = chars + len(text), n_bytes + len(data)
+        if cache is None:
+            continue
+        if batcher is not None:
+            batcher.add(i, text)
+            streamed = i + 1
+        else:
+            cache.append(text)
+        if chars > CACHE_CHARS:
+            cache = None
+    if batcher is not None:
+        batcher.flush()
+    return {"keys": keys, "chars": chars, "bytes": n_bytes, "streamed": streamed,
+            "cache": cache if batcher is None else None}
 
 
 def _assign_splits(keys: array, val_fraction: float) -> tuple[bytearray, str]:
@@ -215,78 +211,95 @@ def _assign_splits(keys: array, val_fraction: float) -> tuple[bytearray, str]:
     return flags, "document-hash"
 
 
-def _train_texts(docs, flags: bytearray, val_fraction: float):
-    for i, (_, text) in enumerate(docs):
+def _train_texts(texts, flags: bytearray, val_fraction: float):
+    for i, text in enumerate(texts):
         if flags[i] == TRAIN:
             yield text
         elif flags[i] == WHOLE:
             yield text[:max(1, int(len(text) * (1 - val_fraction)))]
 
 
-def _tasks(docs, flags: bytearray, chunk_chars: int):
-    """Pool tasks of about TASK_CHARS: (split, piece, is the document's last piece)."""
-    task, size, count = [], 0, 0
-    for _, text in docs:
-        if count >= len(flags):
-            break
-        pieces = list(tkz.split_for_encoding(text, chunk_chars))
-        for k, piece in enumerate(pieces):
-            task.append((flags[count], piece, k == len(pieces) - 1))
-            size += len(piece)
-            if size >= TASK_CHARS:
-                yield task, size
-                task, size = [], 0
-        count += 1
-    else:
-        if count == len(flags):
-            if task:
-                yield task, size
-            return
-    raise DataError("the inputs changed while prepare was reading them; run it again")
-
-
-def _tokenize(docs, flags: bytearray, tok: tkz.Tokenizer, pool, n_workers: int, out: Path, options: dict,
-              progress: bool, n_chars: int) -> dict:
+def _encode_rest(batcher: _Batcher, sink: _Sink, scan: dict, texts, progress: bool, name: str) -> None:
+    """Write what the scan already submitted, then encode the documents it did not."""
     from tqdm import tqdm
-    writers = [_ShardWriter(out, s, tok.dtype, options["shard_tokens"]) for s in SPLITS]
-    whole: list[bytes] = []
-    pending: deque = deque()
-    bar = tqdm(total=n_chars, unit="char", unit_scale=True, desc=f"tokenizing ({tok.name})",
-               disable=None if progress else True)
+    n = len(sink.flags)
+    with tqdm(total=scan["chars"], unit="char", unit_scale=True, desc=f"tokenizing ({name})",
+              disable=None if progress else True) as bar:
+        if scan["streamed"] < n:
+            count = 0
+            for i, text in enumerate(scan["cache"] if scan["cache"] is not None else texts()):
+                count = i + 1
+                if i >= n:
+                    break
+                if i >= scan["streamed"]:
+                    batcher.add(i, text)
+                    batcher.drain(sink, bar, batcher.window)
+            if count != n:
+                raise DataError("the inputs changed while prepare was reading them; run it again")
+            batcher.flush()
+        batcher.drain(sink, bar, 0)
 
-    def drain(limit: int) -> None:
-        while len(pending) > limit:
-            result, size = pending.popleft()
-            for split, data in _result(result) if pool is not None else result:
-                if split == WHOLE:
-                    whole.append(data)
-                else:
-                    writers[split].write(data)
+
+class _Batcher:
+    """Cuts documents into pieces, sends tasks of about TASK_CHARS to the workers, and
+    hands the tokens back in document order whatever the number of workers."""
+
+    def __init__(self, stack: contextlib.ExitStack, workers: int, tok: tkz.Tokenizer, data_dir: str | None):
+        self.executor = stack.enter_context(tkz.open_executor(workers, tok, data_dir))
+        self.chunk_chars, self.window = tok.chunk_chars, 2 * workers
+        self.task, self.size, self.pending = [], 0, deque()
+
+    def add(self, index: int, text: str) -> None:
+        pieces = list(tkz.split_for_encoding(text, self.chunk_chars))
+        for k, piece in enumerate(pieces):
+            self.task.append((index, piece, k == len(pieces) - 1))
+            self.size += len(piece)
+            if self.size >= TASK_CHARS:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.task:
+            self.pending.append((self.executor.submit(tkz.pool_encode, self.task), self.size))
+            self.task, self.size = [], 0
+
+    def drain(self, sink: _Sink, bar, keep: int) -> None:
+        from concurrent.futures.process import BrokenProcessPool
+        while len(self.pending) > keep:
+            future, size = self.pending.popleft()
+            try:
+                runs = future.result()
+            except BrokenProcessPool:
+                raise DataError("a tokenizer worker process died (out of memory? or prepare() called from a "
+                                "script without `if __name__ == '__main__':`, which spawned workers need)") from None
+            for index, data in runs:
+                sink.write(index, data)
             bar.update(size)
 
-    with bar:
-        for task, size in _tasks(docs, flags, tok.chunk_chars):
-            work = pool.submit(tkz.pool_encode, task) if pool is not None else tkz.encode_task(tok, task)
-            pending.append((work, size))
-            drain(2 * n_workers)  # a bounded window: memory stays flat on any corpus size
-        drain(0)
-    if whole:
-        data, itemsize = b"".join(whole), writers[TRAIN].itemsize
-        n = len(data) // itemsize
-        cut = (n - min(max(1, round(n * options["val_fraction"])), n - 1)) * itemsize
-        writers[TRAIN].write(data[:cut])
-        writers[VAL].write(data[cut:])
-    docs_per_split = [flags.count(TRAIN) + flags.count(WHOLE), flags.count(VAL) + flags.count(WHOLE)]
-    return {s: w.finish(d) for s, w, d in zip(SPLITS, writers, docs_per_split)}
 
+class _Sink:
+    """Routes each document's tokens to the shards of its split."""
 
-def _result(future) -> list:
-    from concurrent.futures.process import BrokenProcessPool
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise DataError("a tokenizer worker process died (out of memory? or prepare() called from a script "
-                        "without `if __name__ == '__main__':`, which spawned workers need)") from None
+    def __init__(self, out: Path, flags: bytearray, dtype: str, shard_tokens: int) -> None:
+        self.flags, self.whole = flags, []
+        self.writers = [_ShardWriter(out, s, dtype, shard_tokens) for s in SPLITS]
+
+    def write(self, index: int, data: bytes) -> None:
+        flag = self.flags[index]
+        if flag == WHOLE:
+            self.whole.append(data)
+        else:
+            self.writers[flag].write(data)
+
+    def finish(self, val_fraction: float) -> dict:
+        if self.whole:
+            data, itemsize = b"".join(self.whole), self.writers[TRAIN].itemsize
+            n = len(data) // itemsize
+            cut = (n - min(max(1, round(n * val_fraction)), n - 1)) * itemsize
+            self.writers[TRAIN].write(data[:cut])
+            self.writers[VAL].write(data[cut:])
+        whole = self.flags.count(WHOLE)
+        docs = (self.flags.count(TRAIN) + whole, self.flags.count(VAL) + whole)
+        return {s: w.finish(d) for s, w, d in zip(SPLITS, self.writers, docs)}
 
 
 class _ShardWriter:
@@ -306,12 +319,12 @@ class _ShardWriter:
                 name = f"{self.split}_{len(self.shards):06d}.bin"
                 self._fh, self._sha, self._n = open(self.dir / name, "wb"), hashlib.sha256(), 0
                 self.shards.append({"file": name, "tokens": 0, "sha256": ""})
-            take = min(len(view), (self.limit - self._n) * self.itemsize)
-            self._fh.write(view[:take])
-            self._sha.update(view[:take])
-            self._n += take // self.itemsize
-            self.tokens += take // self.itemsize
-            view = view[take:]
+            part = view[:(self.limit - self._n) * self.itemsize]
+            self._fh.write(part)
+            self._sha.update(part)
+            self._n += len(part) // self.itemsize
+            self.tokens += len(part) // self.itemsize
+            view = view[len(part):]
             if self._n == self.limit:
                 self._close()
 
@@ -329,35 +342,6 @@ class _ShardWriter:
 def _tokenizer_info(tok: tkz.Tokenizer) -> dict:
     return {"name": tok.name, "fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "file": None if tok.name == "gpt2" else "tokenizer.json"}
-
-
-def _pretokenized(inputs: list[str], tokenizer: str) -> tuple[list[Path], list[Path]] | None:
-    """nanoGPT/llm.c ``.bin`` inputs as (train files, val files); None for text inputs."""
-    paths = [Path(i).expanduser() for i in inputs]
-    if len(paths) == 1 and paths[0].is_dir():
-        folder = paths[0]
-        if (folder / "meta.pkl").is_file() and (folder / "train.bin").is_file():
-            raise DataError(f"{folder / 'meta.pkl'}: character-level nanoGPT data is not GPT-2 tokens; "
-                            f"prepare the text instead")
-        paths = sorted(p for p in folder.glob("*.bin") if _BIN_SPLIT.search(p.stem))
-        if not paths:
-            return None
-    elif not any(p.suffix == ".bin" for p in paths):
-        return None
-    elif not all(p.suffix == ".bin" for p in paths):
-        raise DataError(f"cannot mix pre-tokenized .bin files with text inputs: {', '.join(inputs)}")
-    for p in paths:
-        if not p.is_file():
-            raise DataError(f"{p}: no such file")
-        if not _BIN_SPLIT.search(p.stem):
-            raise DataError(f"{p}: cannot tell train from val; name it like train.bin / val.bin")
-    split = {p: _BIN_SPLIT.search(p.stem).group(1) for p in paths}
-    train, val = [p for p in paths if split[p] == "train"], [p for p in paths if split[p] == "val"]
-    if not train or not val:
-        raise DataError(f"pre-tokenized inputs need both a train and a val .bin file: {', '.join(map(str, paths))}")
-    if tokenizer != "gpt2":
-        raise DataError(f"pre-tokenized .bin files hold GPT-2 tokens; tokenizer {tokenizer!r} cannot apply")
-    return train, val
 
 
 def _prepare_pretokenized(train: list[Path], val: list[Path], tmp: Path, shard_tokens: int) -> dict:
@@ -392,60 +376,3 @@ def _swap_in(tmp: Path, out_dir: Path) -> None:
         os.replace(old, out_dir)
         raise
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _shards_present(data_dir: Path, manifest: dict) -> bool:
-    """Every listed file is there with the right size (cheap; verify_shards checks contents)."""
-    try:
-        itemsize = 2 if manifest["dtype"] == "uint16" else 4
-        shards = [s for split in manifest["splits"].values() for s in split["shards"]]
-        sized = all((data_dir / s["file"]).stat().st_size == s["tokens"] * itemsize for s in shards)
-        tok_file = manifest["tokenizer"].get("file")
-        return sized and (tok_file is None or (data_dir / tok_file).is_file())
-    except (OSError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def load_manifest(data_dir: str | Path) -> dict:
-    """The manifest of a prepared folder; DataError naming the path if missing or invalid."""
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{path}: not found; create it with `distlm prepare INPUT... --out {data_dir}`")
-    manifest = _read_json(path)
-    if manifest is None:
-        raise DataError(f"{path}: not a valid JSON manifest; run `distlm prepare` again")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}; "
-                        f"run `distlm prepare` again")
-    for key in ("tokenizer", "dtype", "splits"):
-        if key not in manifest:
-            raise DataError(f"{path}: missing field {key!r}")
-    return manifest
-
-
-def verify_shards(data_dir: str | Path, manifest: dict | None = None) -> None:
-    """Check each shard's size and sha256 against the manifest; DataError naming the first bad one."""
-    data_dir = Path(data_dir)
-    manifest = manifest if manifest is not None else load_manifest(data_dir)
-    itemsize = 2 if manifest["dtype"] == "uint16" else 4
-    for split in manifest["splits"].values():
-        for shard in split["shards"]:
-            path = data_dir / shard["file"]
-            if not path.is_file():
-                raise DataError(f"{path}: shard missing")
-            if path.stat().st_size != shard["tokens"] * itemsize:
-                raise DataError(f"{path}: {path.stat().st_size} bytes, manifest says {shard['tokens']} tokens")
-            digest = hashlib.sha256()
-            with open(path, "rb") as fh:
-                while block := fh.read(1 << 23):
-                    digest.update(block)
-            if digest.hexdigest() != shard["sha256"]:
-                raise DataError(f"{path}: sha256 {digest.hexdigest()} does not match the manifest's {shard['sha256']}")

@@ -17,6 +17,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 import tarfile
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "gutenberg"
 BINARY_PROBE = 8192  # a NUL byte in the first 8 KB marks a file as binary
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2")
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
+_BIN_SPLIT = re.compile(r"(?:^|[_.-])(train|val)(?:[_.-]|$)")
 
 
 @dataclass
@@ -319,6 +321,39 @@ def _hf_docs(src: Source, field_name: str, stats: SourceStats) -> Iterator[tuple
         stats.files += 1
         with open(path, "rb") as fh:
             yield from _arrow_docs(str(path), fh, field_name)
+
+
+def pretokenized_inputs(inputs: list[str], tokenizer: str) -> tuple[list[Path], list[Path]] | None:
+    """nanoGPT/llm.c ``.bin`` inputs as (train files, val files); None for text inputs.
+
+    Either the files themselves, or one folder holding ``train.bin``/``val.bin``
+    (or llm.c's ``*_train*.bin``/``*_val*.bin``); they must hold GPT-2 tokens.
+    """
+    paths = [Path(i).expanduser() for i in inputs]
+    if len(paths) == 1 and paths[0].is_dir():
+        folder = paths[0]
+        if (folder / "meta.pkl").is_file() and (folder / "train.bin").is_file():
+            raise DataError(f"{folder / 'meta.pkl'}: character-level nanoGPT data is not GPT-2 tokens; "
+                            f"prepare the text instead")
+        paths = sorted(p for p in folder.glob("*.bin") if _BIN_SPLIT.search(p.stem))
+        if not paths:
+            return None
+    elif not any(p.suffix == ".bin" for p in paths):
+        return None
+    elif not all(p.suffix == ".bin" for p in paths):
+        raise DataError(f"cannot mix pre-tokenized .bin files with text inputs: {', '.join(inputs)}")
+    for p in paths:
+        if not p.is_file():
+            raise DataError(f"{p}: no such file")
+        if not _BIN_SPLIT.search(p.stem):
+            raise DataError(f"{p}: cannot tell train from val; name it like train.bin / val.bin")
+    split = {p: _BIN_SPLIT.search(p.stem).group(1) for p in paths}
+    train, val = [p for p in paths if split[p] == "train"], [p for p in paths if split[p] == "val"]
+    if not train or not val:
+        raise DataError(f"pre-tokenized inputs need both a train and a val .bin file: {', '.join(map(str, paths))}")
+    if tokenizer != "gpt2":
+        raise DataError(f"pre-tokenized .bin files hold GPT-2 tokens; tokenizer {tokenizer!r} cannot apply")
+    return train, val
 
 
 def read_token_file(path: str | Path):

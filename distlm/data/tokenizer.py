@@ -7,11 +7,13 @@ one stray string in a web page would forge a document boundary.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
 from array import array
+from concurrent.futures import Future
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -28,6 +30,7 @@ GPT2_SHA256 = {
 }
 BPE_VOCAB_RANGE = (257, 1 << 20)  # at least the 256 byte tokens plus <|endoftext|>
 _UINT32 = next(code for code in "ILQ" if array(code).itemsize == 4)
+START_METHOD = "fork" if sys.platform == "linux" else "spawn"  # see open_executor
 
 
 class Tokenizer:
@@ -286,19 +289,19 @@ def _next_safe_cut(text: str, pos: int) -> int:
 
 def encode_task(tok: Tokenizer, task: Sequence[tuple[int, str, bool]], num_threads: int | None = 1
                 ) -> list[tuple[int, bytes]]:
-    """Encode ``(split, piece, ends_document)`` items into runs of ``(split, token bytes)``.
+    """Encode ``(document, piece, is_last_piece)`` items into ``(document, token bytes)`` runs.
 
-    Tokens come back as packed uint16/uint32 (native little-endian) bytes with
-    ``eos_id`` after each document's last piece: cheap to pickle, ready to write.
+    Tokens come back as packed little-endian uint16/uint32 bytes with ``eos_id``
+    after each document's last piece: cheap to pickle, ready to write.
     """
     code = "H" if tok.dtype == "uint16" else _UINT32
     out: list[tuple[int, bytes]] = []
     run, cur = array(code), None
-    for (split, _, ends), ids in zip(task, tok.encode_batch([p for _, p, _ in task], num_threads=num_threads)):
-        if split != cur and cur is not None:
+    for (doc, _, ends), ids in zip(task, tok.encode_batch([p for _, p, _ in task], num_threads=num_threads)):
+        if doc != cur and cur is not None:
             out.append((cur, _packed(run)))
             run = array(code)
-        cur = split
+        cur = doc
         run.extend(ids)
         if ends:
             run.append(tok.eos_id)
@@ -332,3 +335,54 @@ def pool_encode(task: Sequence[tuple[int, str, bool]]) -> list[tuple[int, bytes]
     if not isinstance(_WORKER, Tokenizer):
         raise _WORKER if _WORKER is not None else RuntimeError("pool_init did not run")
     return encode_task(_WORKER, task)
+
+
+class _Inline:
+    """The executor interface, run in this process."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    def submit(self, fn, task) -> Future:
+        future: Future = Future()
+        future.set_result(encode_task(self.tok, task))
+        return future
+
+
+@contextlib.contextmanager
+def open_executor(workers: int, tok: Tokenizer, data_dir: str | None):
+    """Something to ``submit(pool_encode, task)`` to: this process for one worker, else
+    ``workers`` processes that each load ``tok`` in pool_init (or inherit it by fork).
+
+    Linux forks: a spawned worker re-imports the caller's main module and all it
+    imports (torch: seconds each), longer than tokenizing a small corpus. Workers
+    run only tokenizer code, so the parent's threads cannot trip them up; the code
+    stays spawn-safe for platforms where fork is missing or unsafe. An executor, not
+    multiprocessing.Pool: a dead worker fails the run instead of hanging it.
+    """
+    if workers == 1:
+        yield _Inline(tok)
+        return
+    import multiprocessing
+    import warnings
+    from concurrent.futures import ProcessPoolExecutor
+    if START_METHOD == "fork" and isinstance(tok, GPT2Tokenizer):
+        tok.encoding  # noqa: B018 - built once here, inherited by every worker
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(START_METHOD),
+                               initializer=pool_init, initargs=(tok.name, data_dir))
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # tells tokenizers the fork is deliberate
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+            for _ in range(workers):  # start them all now, to boot while the parent reads
+                pool.submit(int)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

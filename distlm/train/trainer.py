@@ -72,6 +72,9 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[
     def materialize(m: GPT) -> None:
         m.to_empty(device=device)
         m.init_weights(cfg.train.seed, device)
+        if cfg.init.from_hf and cfg.train.resume == "never":  # a resume brings its own weights
+            from distlm.interop import load_hf_into
+            load_hf_into(m, cfg.init.from_hf)
 
     model = parallelize(inner, dims, cfg, materialize)
     return model, inner
@@ -86,7 +89,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        if cfg.init.from_hf:  # the architecture comes from the Hugging Face folder
+            from distlm.interop import apply_hf_model_config
+            apply_hf_model_config(cfg.model, cfg.init.from_hf, block_size=cfg.model.block_size)
         self.manifest, self.data_dir = data_dims(cfg)
+        if cfg.init.from_hf and self.manifest and int(self.manifest["tokenizer"]["vocab_size"]) != cfg.model.vocab_size:
+            raise ConfigError(f"init.from_hf={cfg.init.from_hf} has a {cfg.model.vocab_size}-token vocabulary but "
+                              f"{cfg.data.dir} was prepared with {self.manifest['tokenizer']['name']} "
+                              f"({self.manifest['tokenizer']['vocab_size']} tokens); prepare it with that tokenizer")
         self.run_dir = Path(run_dir) if run_dir else self._run_dir()
         torch.manual_seed(cfg.train.seed + self.dims.rank)  # dropout differs per rank, by design
         self.model, self.gpt = build_model(cfg, self.dims, self.device)
