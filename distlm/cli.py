@@ -47,7 +47,10 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg)
     summary = trainer.train()
-    if trainer.dims.is_main:
+    if trainer.dims.is_main and summary["stopped"]:
+        print(f"stopped: {summary['stopped']}; checkpoint {summary['checkpoint']}; "
+              f"continue with: distlm train ... log.name={trainer.run_dir.name} train.resume=auto")
+    elif trainer.dims.is_main:
         print(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, checkpoint {summary['checkpoint']}")
     _shutdown()
     return 0
@@ -281,12 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from distlm.data import DataError
     from distlm.train.checkpoint import CheckpointError
+    from distlm.train.trainer import TrainingStopped
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

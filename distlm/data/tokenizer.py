@@ -50,6 +50,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def encode_packed(self, texts: Sequence[str]) -> list[bytes]:
+        """Each text's ids as little-endian ``dtype`` bytes, as shards hold them (one thread)."""
+        code = "H" if self.dtype == "uint16" else _UINT32
+        return [_packed(array(code, ids)) for ids in self.encode_batch(texts, num_threads=1)]
+
     def fingerprint(self) -> str:
         """sha256 (hex) of the files that define the token ids."""
         raise NotImplementedError
@@ -139,6 +144,13 @@ class GPT2Tokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(list(ids))
+
+    def encode_packed(self, texts: Sequence[str]) -> list[bytes]:
+        to_numpy = getattr(self.encoding, "encode_to_numpy", None)  # tiktoken >= 0.8: skips the list
+        if to_numpy is None:
+            return super().encode_packed(texts)
+        # No special token is allowed, so <|endoftext|> in text is encoded as text, as in encode().
+        return [to_numpy(t, disallowed_special=()).astype("<u2").tobytes() for t in texts]
 
     def fingerprint(self) -> str:
         return self._fingerprint
@@ -287,26 +299,23 @@ def _next_safe_cut(text: str, pos: int) -> int:
     return max(j, 0)
 
 
-def encode_task(tok: Tokenizer, task: Sequence[tuple[int, str, bool]], num_threads: int | None = 1
-                ) -> list[tuple[int, bytes]]:
-    """Encode ``(document, piece, is_last_piece)`` items into ``(document, token bytes)`` runs.
-
-    Tokens come back as packed little-endian uint16/uint32 bytes with ``eos_id``
-    after each document's last piece: cheap to pickle, ready to write.
-    """
-    code = "H" if tok.dtype == "uint16" else _UINT32
+def encode_task(tok: Tokenizer, task: Sequence[tuple[int, str, bool]]) -> list[tuple[int, bytes]]:
+    """Encode ``(document, piece, is_last_piece)`` items into ``(document, token bytes)`` runs,
+    with ``eos_id`` after each document's last piece: cheap to pickle, ready to write."""
+    eos = _packed(array("H" if tok.dtype == "uint16" else _UINT32, [tok.eos_id]))
     out: list[tuple[int, bytes]] = []
-    run, cur = array(code), None
-    for (doc, _, ends), ids in zip(task, tok.encode_batch([p for _, p, _ in task], num_threads=num_threads)):
+    parts: list[bytes] = []
+    cur = None
+    for (doc, _, last), data in zip(task, tok.encode_packed([piece for _, piece, _ in task])):
         if doc != cur and cur is not None:
-            out.append((cur, _packed(run)))
-            run = array(code)
+            out.append((cur, b"".join(parts)))
+            parts = []
         cur = doc
-        run.extend(ids)
-        if ends:
-            run.append(tok.eos_id)
+        parts.append(data)
+        if last:
+            parts.append(eos)
     if cur is not None:
-        out.append((cur, _packed(run)))
+        out.append((cur, b"".join(parts)))
     return out
 
 

@@ -158,13 +158,12 @@ def load_checkpoint(ckpt: Path, model, optimizer=None) -> dict:
     return meta
 
 
-def prune_checkpoints(ckpt_root: Path, keep_last: int, best: Optional[Path]) -> list[Path]:
-    """Delete old complete checkpoints beyond the newest keep_last and the best.
-    The newest complete one is never deleted. Rank 0 only."""
+def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_also: list[Path] = ()) -> list[Path]:
+    """Delete old complete checkpoints beyond the newest keep_last and those in keep_also
+    (the best, the last before a fault). The newest complete one is never deleted, and
+    torn folders are left for a person to look at. Rank 0 only."""
     complete, _ = list_checkpoints(ckpt_root)
-    keep = set(complete[-max(1, keep_last):])
-    if best is not None:
-        keep.add(Path(best))
+    keep = set(complete[-max(1, keep_last):]) | {Path(p) for p in keep_also}
     removed = []
     for p in complete:
         if p not in keep:

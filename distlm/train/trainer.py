@@ -23,6 +23,7 @@ from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims, init_distributed, parallelize
 from distlm.parallel.grad import clip_grad_norm, grad_sync
 from distlm.train import checkpoint as ckpt
+from distlm.train.faults import StopFlag, Watchdog, nonfinite_grads
 from distlm.train.logger import RunLogger
 from distlm.train.metrics import memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer
@@ -80,6 +81,10 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[
     return model, inner
 
 
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (non-finite values, an unwritable checkpoint); the message says why."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, run_dir: str | Path | None = None):
         self.cfg = cfg
@@ -109,6 +114,8 @@ class Trainer:
         self.tokens_seen = 0
         self.best_val: Optional[float] = None
         self.best_ckpt: Optional[str] = None
+        self.protected: list[str] = []  # checkpoints pruning must keep (the last one before a fault)
+        self.nan_skips = 0
         n = self.gpt.num_params()
         self.flops_per_token = flops_per_token(cfg.model, n)
         self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
@@ -184,13 +191,15 @@ class Trainer:
     # ---- state --------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "best_val": self.best_val, "best_ckpt": self.best_ckpt}
+                "best_val": self.best_val, "best_ckpt": self.best_ckpt, "protected": self.protected,
+                "nan_skips": self.nan_skips}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.loader.load_state_dict(state["loader"])
         self.best_val, self.best_ckpt = state.get("best_val"), state.get("best_ckpt")
+        self.protected, self.nan_skips = list(state.get("protected", [])), int(state.get("nan_skips", 0))
 
     # ---- the loop -----------------------------------------------------------------
     def _autocast(self):
@@ -212,6 +221,7 @@ class Trainer:
         ``mark(phase)`` is called as each phase ends ("data", "forward_backward",
         "optimizer"); `distlm bench` times the phases with it, and runs a few steps with
         sync_grads=False (no gradient reduction at all) to measure exposed communication.
+        A step whose loss or gradient is not finite is skipped or stops training (train.on_nan).
         """
         mark = mark or (lambda phase: None)
         for g in self.optimizer.param_groups:
@@ -225,14 +235,36 @@ class Trainer:
                 loss = self.loss_fn(self.model(x), y) / len(micro)
                 loss.backward()
             loss_sum += loss.detach()
+        loss_mean = self._dp_mean(loss_sum)
         mark("forward_backward")
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
-        self.optimizer.step()
+        # grad_norm is global (reduced over every rank), so all ranks take the same branch.
+        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_mean)):
+            self.optimizer.step()
+        else:
+            self._on_nonfinite(float(loss_mean), float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         mark("optimizer")
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
-        return self._dp_mean(loss_sum), grad_norm
+        return loss_mean, grad_norm
+
+    def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
+        names = nonfinite_grads(self.model)
+        step = self.step + 1
+        complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
+        if complete and complete[-1].name not in self.protected:
+            self.protected.append(complete[-1].name)  # the last good state survives pruning
+        where = f"non-finite values at step {step}: loss {loss}, grad norm {grad_norm}" + (
+            f"; gradients of {', '.join(names)}" if names else "")
+        kept = f"; checkpoint {complete[-1]} (before the fault) is kept" if complete else ""
+        self.nan_skips += 1
+        if self.cfg.train.on_nan == "stop" or self.nan_skips > self.cfg.train.max_nan_skips:
+            why = "train.on_nan=stop" if self.cfg.train.on_nan == "stop" else \
+                f"more than train.max_nan_skips={self.cfg.train.max_nan_skips} skipped steps"
+            raise TrainingStopped(f"{where} ({why}){kept}")
+        if self.dims.is_main:
+            print(f"warning: {where}: step skipped ({self.nan_skips}/{self.cfg.train.max_nan_skips}){kept}")
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.dims.dp_size > 1:
@@ -254,19 +286,31 @@ class Trainer:
         self.model.train()
         return float(self._dp_mean(total / max(1, len(batches))))
 
-    def save(self, val_loss: Optional[float] = None) -> Path:
+    def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
         root = self.run_dir / "checkpoints"
         if val_loss is not None and math.isfinite(val_loss) and (self.best_val is None or val_loss < self.best_val):
             self.best_val, self.best_ckpt = val_loss, f"step_{self.step:07d}"
         meta = {"trainer": self.state_dict(), "config": self.cfg.to_dict(), "world_size": self.dims.world_size,
                 "val_loss": val_loss, "saved_at": time.time()}
-        path = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta)
+        try:
+            path = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta)
+        except OSError as e:
+            complete, _ = ckpt.list_checkpoints(root)
+            msg = (f"cannot write checkpoint step_{self.step:07d} in {root}: {e.strerror or e}; "
+                   f"{'the previous checkpoint ' + str(complete[-1]) + ' is intact' if complete else 'no earlier checkpoint'}")
+            if self.cfg.train.on_save_error == "stop":
+                raise TrainingStopped(msg + " (train.on_save_error=stop)") from None
+            if self.dims.is_main:
+                print(f"warning: {msg}; training goes on (train.on_save_error=continue)")
+            return None
         if self.dims.is_main:
-            best = root / self.best_ckpt if self.best_ckpt else None
-            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, best)
+            keep = [root / n for n in ([self.best_ckpt] if self.best_ckpt else []) + self.protected]
+            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, keep)
         return path
 
     def train(self) -> dict:
+        """The loop: step, log, evaluate, checkpoint; stops at max_steps, the time limit,
+        or SIGTERM/SIGINT (after saving)."""
         cfg, main = self.cfg, self.dims.is_main
         logger = RunLogger(self.run_dir, cfg, enabled=main, resume_step=self.step)
         bar = None
@@ -278,63 +322,81 @@ class Trainer:
             say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
+        stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         t_start = time.perf_counter()
-        window_t, window_steps = time.perf_counter(), 0
-        last_val, last_loss, do_eval = None, float("nan"), False
+        self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
+        last_val, last_loss, do_eval, stopped = None, float("nan"), False, None
         self.model.train()
-        while self.step < cfg.train.max_steps:
-            loss, grad_norm = self.train_step()
-            window_steps += 1
-            if bar is not None:
-                bar.update(1)
-            do_eval = cfg.train.eval_every and self.step % cfg.train.eval_every == 0
-            do_log = self.step % cfg.log.every == 0 or self.step == cfg.train.max_steps or do_eval
-            out_of_time = bool(cfg.train.time_limit_s) and self._all_agree(
-                time.perf_counter() - t_start > cfg.train.time_limit_s)
-            if do_log:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()  # time what ran, not what was queued
-                dt = time.perf_counter() - window_t
-                tps = window_steps * cfg.train.global_batch_size * cfg.model.block_size / dt
-                last_loss = float(loss)
-                row = {"tokens": self.tokens_seen, "loss": last_loss, "lr": self.optimizer.param_groups[0]["lr"],
-                       "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                       "mfu": mfu(tps / self.dims.world_size, self.flops_per_token, self.peak),
-                       "mem_gb": memory_gb(self.device), "elapsed_s": time.perf_counter() - t_start}
-                if do_eval:
-                    last_val = self.evaluate()
-                    row.update(val_loss=last_val, val_ppl=math.exp(min(last_val, 50)))
-                logger.log(self.step, row)
-                if main:
-                    say(self._console_line(row))
-                window_t, window_steps = time.perf_counter(), 0
-            if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
-                self.save(last_val if do_eval else None)
-            if out_of_time:
-                if main:
-                    say(f"train.time_limit_s={cfg.train.time_limit_s:g} reached at step {self.step}")
-                break
-        if last_val is None or not do_eval:
+        try:
+            while self.step < cfg.train.max_steps:
+                loss, grad_norm = self.train_step()
+                watchdog.arm(self.step)  # armed after the first step: compilation may take minutes
+                if bar is not None:
+                    bar.update(1)
+                do_eval = bool(cfg.train.eval_every) and self.step % cfg.train.eval_every == 0
+                if self.step % cfg.log.every == 0 or self.step == cfg.train.max_steps or do_eval:
+                    last_loss, val = self._log_step(logger, say, loss, grad_norm, do_eval, t_start)
+                    last_val = val if do_eval else last_val
+                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
+                    self.save(last_val if do_eval else None)
+                stopped = self._should_stop(stop, t_start)
+                if stopped:
+                    if main:
+                        say(f"{stopped} at step {self.step}: saving a checkpoint and exiting")
+                    break
+        finally:
+            watchdog.disarm()
+            stop.restore()
+        if not stopped and (last_val is None or not do_eval):
             last_val = self.evaluate()
             logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,
                                    "val_ppl": math.exp(min(last_val, 50))})
-        final = self.save(last_val)
+        final = self.save(last_val if not stopped else None)
         logger.close()
         if bar is not None:
             bar.close()
         if main:
             from distlm.train.plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "loss.png")
-        return {"step": self.step, "train_loss": last_loss, "val_loss": last_val,
-                "checkpoint": str(final), "run_dir": str(self.run_dir)}
+        return {"step": self.step, "train_loss": last_loss, "val_loss": last_val, "stopped": stopped,
+                "checkpoint": str(final) if final else None, "run_dir": str(self.run_dir)}
 
-    def _all_agree(self, flag: bool) -> bool:
-        # Rank clocks differ: stop only when rank 0 says so, or ranks would desynchronise.
+    def _log_step(self, logger, say, loss, grad_norm, do_eval: bool, t_start: float) -> tuple[float, Optional[float]]:
+        cfg = self.cfg
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # time what ran, not what was queued
+        t0, step0 = self._window
+        dt = time.perf_counter() - t0
+        tps = max(1, self.step - step0) * cfg.train.global_batch_size * cfg.model.block_size / dt
+        row = {"tokens": self.tokens_seen, "loss": float(loss), "lr": self.optimizer.param_groups[0]["lr"],
+               "grad_norm": float(grad_norm), "tokens_per_s": tps,
+               "mfu": mfu(tps / self.dims.world_size, self.flops_per_token, self.peak),
+               "mem_gb": memory_gb(self.device), "elapsed_s": time.perf_counter() - t_start}
+        val = None
+        if do_eval:
+            val = self.evaluate()
+            row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
+        logger.log(self.step, row)
+        if self.dims.is_main:
+            say(self._console_line(row))
+        self._window = (time.perf_counter(), self.step)
+        return row["loss"], val
+
+    def _should_stop(self, stop: StopFlag, t_start: float) -> Optional[str]:
+        cfg = self.cfg
+        reason = None
+        if cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s:
+            reason = f"train.time_limit_s={cfg.train.time_limit_s:g} reached"
+        if stop.signal:
+            reason = f"{stop.signal} received"
         if not self.dims.is_distributed:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.broadcast(t, src=0)
-        return bool(t.item())
+            return reason
+        if self.step % cfg.train.stop_check_every and not reason:
+            return None
+        # Ranks see signals and clocks at different moments; stop together or not at all.
+        flag = torch.tensor([1 if reason else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return (reason or "another rank asked to stop") if flag.item() else None
 
     def _console_line(self, r: dict) -> str:
         parts = [f"step {self.step:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
