@@ -87,6 +87,7 @@ class TrainConfig:
     eval_batches: int = doc(20, "micro-batches per validation pass")
     checkpoint_every: int = doc(0, "steps between checkpoints; 0 = only at the end")
     keep_last: int = doc(2, "checkpoints kept besides the best")
+    async_checkpoint: bool = doc(False, "write checkpoints in the background (dcp.async_save)")
     resume: str = doc("never", "never | auto (newest complete checkpoint) | PATH")
     device: str = choice("auto", "auto", "cpu", "cuda")
     dtype: str = choice("auto", "auto", "fp32", "bf16", help="auto = bf16 autocast on CUDA, fp32 on CPU")

@@ -59,8 +59,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, async_save: bool = False):
+    """Collective: every rank calls it. Returns the final folder, or (async_save) a
+    PendingSave whose ``finish()`` must be called (also collectively) before the
+    checkpoint counts: until then it is a ``.tmp-step_*`` folder that resume skips."""
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:07d}"
     tmp = ckpt_root / f".tmp-step_{step:07d}"
@@ -70,16 +72,26 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict) ->
         tmp.mkdir()
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp / "rng" / f"rank_{_rank():05d}.pt")
-    _barrier()
+    if async_save:
+        # async_save copies the state to host memory before returning; the files are
+        # written by a background thread while training goes on.
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step})
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    _finalize(ckpt_root, tmp, final, {**meta, "step": step})
+    return final
+
+
+def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict) -> None:
+    _barrier()  # every rank's files are on disk before the marker says so
     if _rank() == 0:
-        atomic_write_text(tmp / MARKER, json.dumps({**meta, "step": step, "complete": True}, indent=1))
-        trash = ckpt_root / f".old-step_{step:07d}"
+        atomic_write_text(tmp / MARKER, json.dumps({**meta, "complete": True}, indent=1))
+        trash = ckpt_root / f".old-{final.name}"
         if final.exists():  # re-saving a step: move the old one aside first, never delete before
             shutil.rmtree(trash, ignore_errors=True)
             os.replace(final, trash)
@@ -87,7 +99,16 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict) ->
         _fsync_dir(ckpt_root)
         shutil.rmtree(trash, ignore_errors=True)
     _barrier()
-    return final
+
+
+class PendingSave:
+    def __init__(self, future, ckpt_root: Path, tmp: Path, final: Path, meta: dict):
+        self.future, self.ckpt_root, self.tmp, self.final, self.meta = future, ckpt_root, tmp, final, meta
+
+    def finish(self) -> Path:
+        self.future.result()
+        _finalize(self.ckpt_root, self.tmp, self.final, self.meta)
+        return self.final
 
 
 def read_meta(ckpt: Path) -> dict:

@@ -293,7 +293,9 @@ class Trainer:
         meta = {"trainer": self.state_dict(), "config": self.cfg.to_dict(), "world_size": self.dims.world_size,
                 "val_loss": val_loss, "saved_at": time.time()}
         try:
-            path = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta)
+            self.finish_pending_save()
+            saved = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
+                                         async_save=self.cfg.train.async_checkpoint)
         except OSError as e:
             complete, _ = ckpt.list_checkpoints(root)
             msg = (f"cannot write checkpoint step_{self.step:07d} in {root}: {e.strerror or e}; "
@@ -303,10 +305,24 @@ class Trainer:
             if self.dims.is_main:
                 print(f"warning: {msg}; training goes on (train.on_save_error=continue)")
             return None
+        if isinstance(saved, ckpt.PendingSave):
+            self._pending = saved
+            return saved.final
+        self._prune()
+        return saved
+
+    def finish_pending_save(self) -> None:
+        """Complete a background save (collective); only then does it count as a checkpoint."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending.finish()
+            self._prune()
+
+    def _prune(self) -> None:
         if self.dims.is_main:
+            root = self.run_dir / "checkpoints"
             keep = [root / n for n in ([self.best_ckpt] if self.best_ckpt else []) + self.protected]
             ckpt.prune_checkpoints(root, self.cfg.train.keep_last, keep)
-        return path
 
     def train(self) -> dict:
         """The loop: step, log, evaluate, checkpoint; stops at max_steps, the time limit,
@@ -352,6 +368,7 @@ class Trainer:
             logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,
                                    "val_ppl": math.exp(min(last_val, 50))})
         final = self.save(last_val if not stopped else None)
+        self.finish_pending_save()
         logger.close()
         if bar is not None:
             bar.close()
