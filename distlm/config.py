@@ -93,7 +93,8 @@ class TrainConfig:
     dtype: str = choice("auto", "auto", "fp32", "bf16", help="auto = bf16 autocast on CUDA, fp32 on CPU")
     compile: bool = doc(False, "torch.compile each block")
     time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
-    on_nan: str = choice("skip", "skip", "stop", help="a NaN/Inf loss or gradient: skip the step, or stop")
+    on_nan: str = choice("skip", "skip", "stop", "off",
+                         help="a NaN/Inf loss or gradient: skip the step, stop, or off (no check: no host sync per step)")
     max_nan_skips: int = doc(10, "on_nan=skip: stop after this many skipped steps")
     on_save_error: str = choice("stop", "stop", "continue", help="a checkpoint cannot be written: stop or go on")
     watchdog_s: float = doc(1800.0, "a rank with no progress this long dumps its stack and exits (0 = off)")

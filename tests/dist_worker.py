@@ -20,7 +20,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distlm.config import load_config
+from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims
+from distlm.parallel.grad import clip_grad_norm, offloaded_norm
 from distlm.train.trainer import Trainer, build_model
 
 
@@ -53,6 +55,21 @@ def inspect_model(trainer: Trainer) -> dict:
     }
 
 
+def norm_paths(trainer: Trainer) -> list[float]:
+    """One backward, then the gradient norm two ways: through DTensor (the GPU path) and
+    through offloaded_norm (the CPU-offload path, which only CUDA runs would reach)."""
+    x, y = trainer.loader.micro_batches(0)[0]
+    lm_loss(trainer.model(x), y).backward()
+    params = [p for p in trainer.model.parameters() if p.grad is not None]
+    by_dtensor = float(clip_grad_norm(params, 0.0))
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh, []).append(p.grad)
+    by_hand = float(sum(offloaded_norm(g, mesh) ** 2 for mesh, g in groups.items()) ** 0.5)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return [by_dtensor, by_hand]
+
+
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     results = {}
@@ -64,6 +81,8 @@ def main(plan_path: str) -> None:
                 "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
         if trainer.step == 0:
             info.update(inspect_model(trainer))
+            if trainer.dims.dp_shard > 1:
+                info["grad_norms"] = norm_paths(trainer)
         trainer.train()
         info["tied_after_training"] = trainer.gpt.head.weight is trainer.gpt.tok_emb.weight
         info["seconds"] = round(time.perf_counter() - t0, 2)

@@ -88,6 +88,17 @@ def test_deterministic_across_runs_and_workers(tmp_path, monkeypatch):
     assert all(s["tokens"] <= 500 for split in a["splits"].values() for s in split["shards"])
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bpe:300"])
+def test_big_corpora_read_twice_give_the_same_shards(tmp_path, monkeypatch, tokenizer):
+    src = write_docs(tmp_path / "in")
+    a = run([src], tmp_path / "a", tokenizer=tokenizer)
+    monkeypatch.setattr(prep, "CACHE_CHARS", 500)  # keeps only the first few documents in memory
+    monkeypatch.setattr(prep, "TASK_CHARS", 300)
+    b = run([src], tmp_path / "b", tokenizer=tokenizer, workers=2)
+    assert without_created(a) == without_created(b)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+
+
 def test_spawned_workers_give_the_same_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(tkz, "START_METHOD", "spawn")
     monkeypatch.setattr(prep, "TASK_CHARS", 2000)
@@ -176,7 +187,9 @@ def test_parquet_and_hf_arrow_folder(tmp_path):
     (hf / "dataset_info.json").write_text("{}")
     (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00001-of-00002.arrow"},
                                                                {"filename": "data-00000-of-00002.arrow"}]}))
-    for src in ("a.parquet", "hf_ds"):
+    with pa.ipc.new_file(tmp_path / "f.arrow", table.schema) as writer:  # the random-access format
+        writer.write_table(table)
+    for src in ("a.parquet", "hf_ds", "f.arrow"):
         out = tmp_path / f"out-{src}"
         run([tmp_path / src], out)
         assert sorted(sum(split_docs(out).values(), [])) == sorted(DOCS[:6])

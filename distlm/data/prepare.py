@@ -21,6 +21,7 @@ folder that has files but no manifest.json is never replaced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import json
@@ -32,11 +33,11 @@ from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
-from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401
+from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
                          shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
-from distlm.data.sources import (SourceStats, iter_documents, pretokenized_inputs, read_token_file,
-                                 resolve_inputs, source_files)
+from distlm.data.sources import (SourceStats, iter_documents, pretokenized_inputs, read_token_file, resolve_inputs,
+                                 source_files)
 
 TRAIN, VAL, WHOLE = 0, 1, 2  # WHOLE: the lone document, cut by tokens at the end
 SPLITS = ("train", "val")
@@ -89,7 +90,8 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
 
 
 def _check_options(tokenizer: str, val_fraction: float, seed: int, workers: int | None, shard_tokens: int) -> None:
-    tkz.check_tokenizer_name(tokenizer)
+    if tokenizer != "gpt2":
+        tkz.parse_bpe_size(tokenizer)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r} must be at least 0 and below 1")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -123,11 +125,11 @@ def _recover_stale(out_dir: Path) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
@@ -145,35 +147,35 @@ def _inputs_fingerprint(files: list[Path], options: dict) -> str:
 
 
 def _prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, workers: int, progress: bool) -> dict:
-    def texts():
-        docs = iter_documents(inputs, separator=options["separator"], text_field=options["text_field"],
-                              stats=SourceStats(), exclude=out_dir)
-        return (text for _, text in docs)
-
-    name, val_fraction = options["tokenizer"], options["val_fraction"]
-    stats = SourceStats()
-    first_read = iter_documents(inputs, separator=options["separator"], text_field=options["text_field"],
-                                stats=stats, exclude=out_dir)
+    from tqdm import tqdm
+    read = functools.partial(iter_documents, inputs, separator=options["separator"],
+                             text_field=options["text_field"], exclude=out_dir)
+    name, val_fraction, stats = options["tokenizer"], options["val_fraction"], SourceStats()
     with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(tqdm(unit="char", unit_scale=True, desc=f"reading ({name})",
+                                       disable=None if progress else True))
         # gpt2 encodes while the documents are first read; bpe:N must read them all to train first.
         tok = tkz.gpt2() if name == "gpt2" else None
-        batcher = _Batcher(stack, workers, tok, None) if tok is not None else None
-        scan = _scan(first_read, options["seed"], batcher)
+        batcher = _Batcher(stack, workers, tok) if tok is not None else None
+        scan = _scan(read(stats=stats), options["seed"], batcher, bar)
         flags, method = _assign_splits(scan["keys"], val_fraction)
+        if scan["cache"] is None and scan["streamed"] < len(flags):
+            scan["cache"] = (text for _, text in read(stats=SourceStats()))  # too big to keep: read again
         if tok is None:
-            docs = scan["cache"] if scan["cache"] is not None else texts()
-            tok = tkz.train_bpe(_train_texts(docs, flags, val_fraction), tkz.parse_bpe_size(name),
+            tok = tkz.train_bpe(_train_texts(scan["cache"], flags, val_fraction), tkz.parse_bpe_size(name),
                                 progress=progress and sys.stderr.isatty())
             tok.save(tmp)
-            batcher = _Batcher(stack, workers, tok, str(tmp))
+            batcher = _Batcher(stack, workers, tok)
+            if not isinstance(scan["cache"], list):
+                scan["cache"] = (text for _, text in read(stats=SourceStats()))
         sink = _Sink(tmp, flags, tok.dtype, options["shard_tokens"])
-        _encode_rest(batcher, sink, scan, texts, progress, tok.name)
+        _encode_rest(batcher, sink, scan, bar, tok.name)
     return {"tokenizer": _tokenizer_info(tok), "dtype": tok.dtype, "split_method": method,
             "splits": sink.finish(val_fraction),
             "stats": {**stats.as_dict(), "chars": scan["chars"], "text_bytes": scan["bytes"]}}
 
 
-def _scan(docs, seed: int, batcher: _Batcher | None) -> dict:
+def _scan(docs, seed: int, batcher: _Batcher | None, bar) -> dict:
     """The first read: every document's split key and the totals.
 
     Up to CACHE_CHARS of text, documents are also handed to ``batcher`` (when the
@@ -185,6 +187,7 @@ def _scan(docs, seed: int, batcher: _Batcher | None) -> dict:
         data = text.encode("utf-8")
         keys.append(int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "big") / 2.0 ** 64)
         chars, n_bytes = chars + len(text), n_bytes + len(data)
+        bar.update(len(text))
         if cache is None:
             continue
         if batcher is not None:
@@ -212,40 +215,40 @@ def _assign_splits(keys: array, val_fraction: float) -> tuple[bytearray, str]:
 
 
 def _train_texts(texts, flags: bytearray, val_fraction: float):
+    """The train documents, in pieces: the trainer spreads pieces over cores, not one whole book."""
     for i, text in enumerate(texts):
-        if flags[i] == TRAIN:
-            yield text
-        elif flags[i] == WHOLE:
-            yield text[:max(1, int(len(text) * (1 - val_fraction)))]
+        if flags[i] == WHOLE:
+            text = text[:max(1, int(len(text) * (1 - val_fraction)))]
+        if flags[i] != VAL:
+            yield from tkz.split_for_encoding(text, 1 << 16)
 
 
-def _encode_rest(batcher: _Batcher, sink: _Sink, scan: dict, texts, progress: bool, name: str) -> None:
+def _encode_rest(batcher: _Batcher, sink: _Sink, scan: dict, bar, name: str) -> None:
     """Write what the scan already submitted, then encode the documents it did not."""
-    from tqdm import tqdm
     n = len(sink.flags)
-    with tqdm(total=scan["chars"], unit="char", unit_scale=True, desc=f"tokenizing ({name})",
-              disable=None if progress else True) as bar:
-        if scan["streamed"] < n:
-            count = 0
-            for i, text in enumerate(scan["cache"] if scan["cache"] is not None else texts()):
-                count = i + 1
-                if i >= n:
-                    break
-                if i >= scan["streamed"]:
-                    batcher.add(i, text)
-                    batcher.drain(sink, bar, batcher.window)
-            if count != n:
-                raise DataError("the inputs changed while prepare was reading them; run it again")
-            batcher.flush()
-        batcher.drain(sink, bar, 0)
+    if scan["streamed"] < n:
+        bar.reset(total=scan["chars"])
+        bar.set_description(f"tokenizing ({name})")
+        count = 0
+        for i, text in enumerate(scan["cache"]):
+            count = i + 1
+            if i >= n:
+                break
+            if i >= scan["streamed"]:
+                batcher.add(i, text)
+                batcher.drain(sink, bar, batcher.window)
+        if count != n:
+            raise DataError("the inputs changed while prepare was reading them; run it again")
+        batcher.flush()
+    batcher.drain(sink, bar if scan["streamed"] < n else None, 0)
 
 
 class _Batcher:
     """Cuts documents into pieces, sends tasks of about TASK_CHARS to the workers, and
     hands the tokens back in document order whatever the number of workers."""
 
-    def __init__(self, stack: contextlib.ExitStack, workers: int, tok: tkz.Tokenizer, data_dir: str | None):
-        self.executor = stack.enter_context(tkz.open_executor(workers, tok, data_dir))
+    def __init__(self, stack: contextlib.ExitStack, workers: int, tok: tkz.Tokenizer):
+        self.executor = stack.enter_context(tkz.open_executor(workers, tok))
         self.chunk_chars, self.window = tok.chunk_chars, 2 * workers
         self.task, self.size, self.pending = [], 0, deque()
 
@@ -273,7 +276,8 @@ class _Batcher:
                                 "script without `if __name__ == '__main__':`, which spawned workers need)") from None
             for index, data in runs:
                 sink.write(index, data)
-            bar.update(size)
+            if bar is not None:
+                bar.update(size)
 
 
 class _Sink:

@@ -20,11 +20,12 @@ import os
 import re
 import tarfile
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
-from distlm.data import DataError
+from distlm.data import DataError, read_json
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "gutenberg" / "gutenberg.tar.xz"
 BINARY_PROBE = 8192  # a NUL byte in the first 8 KB marks a file as binary
@@ -73,6 +74,8 @@ def resolve_inputs(inputs: list[str], exclude: Path | None = None) -> list[Sourc
     found: list[Source] = []
     for raw in inputs:
         path = Path(raw).expanduser()
+        if not raw.strip():
+            raise DataError(f"empty input path {raw!r}")
         if path.is_dir() or path.is_file():
             matches = [str(path)]
         elif any(c in raw for c in "*?["):
@@ -94,7 +97,7 @@ def _walk(folder: Path, skip: Path | None) -> list[Source]:
         return [Source(str(folder), folder, "hf")]
     splits = folder / "dataset_dict.json"
     if splits.is_file():  # a DatasetDict: each split is a dataset folder
-        names = _read_json(splits).get("splits", [])
+        names = (read_json(splits) or {}).get("splits", [])
         return [Source(str(folder / s), folder / s, "hf") for s in names if _is_hf_dataset(folder / s)]
     out: list[Source] = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
@@ -111,17 +114,9 @@ def _is_hf_dataset(folder: Path) -> bool:
     return (folder / "state.json").is_file() and any(folder.glob("*.arrow"))
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable ({e})") from None
-    return data if isinstance(data, dict) else {}
-
-
 def hf_arrow_files(folder: Path) -> list[Path]:
     """A save_to_disk folder's Arrow files, in the order its state.json lists them."""
-    listed = _read_json(folder / "state.json").get("_data_files") or []
+    listed = (read_json(folder / "state.json") or {}).get("_data_files") or []
     names = [d["filename"] for d in listed if isinstance(d, dict) and "filename" in d]
     return [folder / n for n in names] if names else sorted(folder.glob("*.arrow"))
 
@@ -142,10 +137,7 @@ def iter_documents(inputs: list[str], *, separator: str | None = None, text_fiel
     """
     stats = stats if stats is not None else SourceStats()
     for src in resolve_inputs(inputs, exclude):
-        if src.kind == "hf":
-            docs = _hf_docs(src, text_field, stats)
-        else:
-            docs = _file_docs(src, text_field, stats)
+        docs = _hf_docs(src, text_field, stats) if src.kind == "hf" else _file_docs(src, text_field, stats)
         for source_id, text in docs:
             for doc in _split(text, separator):
                 if not doc or doc.isspace():
@@ -298,29 +290,31 @@ def _parquet_docs(label: str, fh: BinaryIO, field_name: str) -> Iterator[tuple[s
         raise DataError(f"{label}: not a readable Parquet file ({e})") from None
 
 
-def _arrow_docs(label: str, fh: BinaryIO, field_name: str) -> Iterator[tuple[str, str]]:
+def _arrow_docs(label: str, fh, field_name: str) -> Iterator[tuple[str, str]]:
     pa = _pyarrow(label)
-    buf = pa.py_buffer(fh.read())
     try:
+        if not isinstance(fh, pa.NativeFile):  # an archive member or gzip stream: read it whole
+            fh = pa.BufferReader(fh.read())
         try:
-            reader = pa.ipc.open_stream(buf)  # what save_to_disk writes
+            reader = pa.ipc.open_stream(fh)  # what save_to_disk writes
             batches = iter(reader)
         except pa.ArrowInvalid:
-            reader = pa.ipc.open_file(buf)
+            fh.seek(0)
+            reader = pa.ipc.open_file(fh)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        idx = _column(label, reader.schema, field_name)
-        yield from _batches_docs(label, batches, idx)
+        yield from _batches_docs(label, batches, _column(label, reader.schema, field_name))
     except pa.ArrowException as e:
         raise DataError(f"{label}: not a readable Arrow file ({e})") from None
 
 
 def _hf_docs(src: Source, field_name: str, stats: SourceStats) -> Iterator[tuple[str, str]]:
+    pa = _pyarrow(str(src.path))
     for path in hf_arrow_files(src.path):
         if not path.is_file():
             raise DataError(f"{path}: listed in {src.path / 'state.json'} but missing")
         stats.files += 1
-        with open(path, "rb") as fh:
-            yield from _arrow_docs(str(path), fh, field_name)
+        with pa.memory_map(str(path)) as mapped:  # shards of big datasets: map, do not read
+            yield from _arrow_docs(str(path), mapped, field_name)
 
 
 def pretokenized_inputs(inputs: list[str], tokenizer: str) -> tuple[list[Path], list[Path]] | None:

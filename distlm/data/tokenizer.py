@@ -1,5 +1,5 @@
-"""Tokenizers: GPT-2's (vendored files, tiktoken, fully offline) and byte-level BPEs
-trained on the user's documents with Hugging Face ``tokenizers``.
+"""Tokenizers: GPT-2's (vendored files, fully offline) and byte-level BPEs trained on
+the user's documents with Hugging Face ``tokenizers``; both encode with tiktoken.
 
 Both treat ``<|endoftext|>`` inside text as ordinary characters: only ``eos_id``,
 appended by ``prepare`` between documents, is the real end-of-text token. Otherwise
@@ -13,10 +13,10 @@ import json
 import os
 import sys
 from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from distlm.data import DataError
 
@@ -29,34 +29,53 @@ GPT2_SHA256 = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
 BPE_VOCAB_RANGE = (257, 1 << 20)  # at least the 256 byte tokens plus <|endoftext|>
-_UINT32 = next(code for code in "ILQ" if array(code).itemsize == 4)
 START_METHOD = "fork" if sys.platform == "linux" else "spawn"  # see open_executor
+_UINT32 = next(code for code in "ILQ" if array(code).itemsize == 4)
+# Byte-level BPEs (GPT-2's and ByteLevel's) spell each byte as a printable character:
+# bytes that print stand for themselves, the other 68 moved to U+0100 on, in order.
+_PRINTABLE = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+_TO_LATIN1 = {0x100 + i: b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
+
+
+def _token_bytes(token: str) -> bytes:
+    return token.translate(_TO_LATIN1).encode("latin-1")
 
 
 class Tokenizer:
-    """What ``prepare``, the trainer and ``generate`` need from a tokenizer."""
+    """What ``prepare``, the trainer and ``generate`` use: a tiktoken encoding and its metadata.
+
+    Attributes: ``name`` ("gpt2" or "bpe:N"), ``vocab_size``, ``eos_id``.
+    """
 
     name: str
     vocab_size: int
     eos_id: int
-    chunk_chars: int = 1 << 19  # piece size that ``prepare`` feeds to ``encode_batch``
+    chunk_chars = 1 << 19  # piece size that ``prepare`` feeds to ``encode_packed``
+    encoding = None  # tiktoken.Encoding
 
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        return self.encoding.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str], *, num_threads: int | None = None) -> list[list[int]]:
-        raise NotImplementedError
-
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        if num_threads == 1:
+            return [self.encoding.encode_ordinary(t) for t in texts]
+        return self.encoding.encode_ordinary_batch(list(texts), num_threads=num_threads or 8)
 
     def encode_packed(self, texts: Sequence[str]) -> list[bytes]:
         """Each text's ids as little-endian ``dtype`` bytes, as shards hold them (one thread)."""
-        code = "H" if self.dtype == "uint16" else _UINT32
-        return [_packed(array(code, ids)) for ids in self.encode_batch(texts, num_threads=1)]
+        to_numpy = getattr(self.encoding, "encode_to_numpy", None)  # tiktoken >= 0.8: skips the list
+        if to_numpy is None:
+            code = "H" if self.dtype == "uint16" else _UINT32
+            return [_packed(array(code, ids)) for ids in self.encode_batch(texts, num_threads=1)]
+        # Nothing allowed as special, so <|endoftext|> in text is text, as in encode().
+        dtype = "<u2" if self.dtype == "uint16" else "<u4"
+        return [to_numpy(t, disallowed_special=()).astype(dtype).tobytes() for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(list(ids))
 
     def fingerprint(self) -> str:
-        """sha256 (hex) of the files that define the token ids."""
+        """sha256 (hex) of what defines the token ids."""
         raise NotImplementedError
 
     def save(self, directory: Path) -> None:
@@ -86,21 +105,14 @@ def _gpt2_files() -> dict[str, bytes]:
 
 
 def _gpt2_ranks(encoder_json: bytes) -> tuple[dict[bytes, int], int]:
-    """encoder.json's token strings turned back into bytes, plus the id of <|endoftext|>.
+    """encoder.json as tiktoken's merge ranks (token bytes -> id), and the id of <|endoftext|>.
 
-    GPT-2 stored each byte as a printable character: bytes that print (``!``..``~``,
-    ``¡``..``¬``, ``®``..``ÿ``) stand for themselves, the other 68 were moved to
-    U+0100 onwards in byte order. Its ids are already merge ranks (id = 256 + line
-    of the merge in vocab.bpe), which is what tiktoken wants; the pinned sha256 of
-    both files stands in for re-deriving that from vocab.bpe at every start.
+    GPT-2's ids already are merge ranks (id = 256 + line of the merge in vocab.bpe);
+    the pinned sha256 of both files stands in for re-deriving that at every start.
     """
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    moved = [b for b in range(256) if b not in set(printable)]
-    to_latin1 = {0x100 + i: b for i, b in enumerate(moved)}
     vocab = json.loads(encoder_json)
     eos = vocab.pop(EOT)
-    ranks = {token.translate(to_latin1).encode("latin-1"): rank for token, rank in vocab.items()}
-    return ranks, eos
+    return {_token_bytes(token): rank for token, rank in vocab.items()}, eos
 
 
 class GPT2Tokenizer(Tokenizer):
@@ -110,18 +122,14 @@ class GPT2Tokenizer(Tokenizer):
     sizes and fingerprint in the parent process, its workers do the encoding.
     """
 
-    name = "gpt2"
-    vocab_size = 50257
-    eos_id = 50256
+    name, vocab_size, eos_id = "gpt2", 50257, 50256
 
     def __init__(self) -> None:
         files = _gpt2_files()
         digest = hashlib.sha256()
         for fname in sorted(files):
             digest.update(fname.encode() + b"\0" + hashlib.sha256(files[fname]).digest())
-        self._fingerprint = digest.hexdigest()
-        self._encoder_json = files["encoder.json"]
-        self._enc = None
+        self._fingerprint, self._encoder_json, self._enc = digest.hexdigest(), files["encoder.json"], None
 
     @property
     def encoding(self):
@@ -131,63 +139,47 @@ class GPT2Tokenizer(Tokenizer):
             assert eos == self.eos_id and len(ranks) + 1 == self.vocab_size
             self._enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                           special_tokens={EOT: eos})
-            self._encoder_json = b""
         return self._enc
-
-    def encode(self, text: str) -> list[int]:
-        return self.encoding.encode_ordinary(text)
-
-    def encode_batch(self, texts: Sequence[str], *, num_threads: int | None = None) -> list[list[int]]:
-        if num_threads == 1:  # a pool worker: the pool is the parallelism, threads would contend
-            return [self.encoding.encode_ordinary(t) for t in texts]
-        return self.encoding.encode_ordinary_batch(list(texts), num_threads=num_threads or 8)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.encoding.decode(list(ids))
-
-    def encode_packed(self, texts: Sequence[str]) -> list[bytes]:
-        to_numpy = getattr(self.encoding, "encode_to_numpy", None)  # tiktoken >= 0.8: skips the list
-        if to_numpy is None:
-            return super().encode_packed(texts)
-        # No special token is allowed, so <|endoftext|> in text is encoded as text, as in encode().
-        return [to_numpy(t, disallowed_special=()).astype("<u2").tobytes() for t in texts]
 
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_enc": None}  # to a spawned worker: rebuilt there from encoder.json
 
     def save(self, directory: Path) -> None:
         pass  # vendored with distlm: nothing to write
 
 
 class BPETokenizer(Tokenizer):
-    """A byte-level BPE held as Hugging Face ``tokenizer.json`` text."""
+    """A byte-level BPE from ``train_bpe``, kept as Hugging Face ``tokenizer.json`` text.
 
-    chunk_chars = 1 << 14  # tokenizers is faster on many small pieces than on a few big ones
+    It encodes with tiktoken, given the vocabulary as merge ranks: the trainer numbers
+    tokens in merge order, and tiktoken splits text with the ByteLevel pre-tokenizer's
+    own GPT-2 pattern, so the ids are those of ``tokenizers`` (the tests compare them),
+    several times faster. A vocabulary where one token comes from two merges breaks
+    that numbering and is encoded by ``tokenizers`` itself.
+    """
 
     def __init__(self, name: str, json_text: str, source: str = "tokenizer.json") -> None:
-        from tokenizers import Tokenizer as HFTokenizer
         try:
-            tok = HFTokenizer.from_str(json_text)
-        except Exception as e:  # tokenizers raises plain Exception on malformed files
-            raise DataError(f"{source}: not a valid tokenizer file ({e})") from None
-        eos = tok.token_to_id(EOT)
-        if eos is None:
-            raise DataError(f"{source}: has no {EOT} token")
-        tok.encode_special_tokens = True  # typed "<|endoftext|>" stays text, as with gpt2
-        self.name, self._tok, self._json = name, tok, json_text
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = eos
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str], *, num_threads: int | None = None) -> list[list[int]]:
-        # Threads are governed by TOKENIZERS_PARALLELISM, which pool workers turn off.
-        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+            spec = json.loads(json_text)
+            vocab, merges, pre = spec["model"]["vocab"], spec["model"]["merges"], spec["pre_tokenizer"] or {}
+            ok = spec["model"]["type"] == "BPE" and pre.get("type") == "ByteLevel" and not pre["add_prefix_space"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{source}: not a valid tokenizer file ({type(e).__name__}: {e})") from None
+        if not ok or EOT not in vocab or sorted(vocab.values()) != list(range(len(vocab))):
+            raise DataError(f"{source}: not a byte-level BPE with {EOT} as made by `distlm prepare`")
+        self.name, self._json, self.vocab_size, self.eos_id = name, json_text, len(vocab), vocab[EOT]
+        made = [vocab.get("".join(m.split(" ", 1) if isinstance(m, str) else m)) for m in merges]
+        if None in made or any(a >= b for a, b in zip(made, made[1:])):
+            self.encoding = _HFEncoding(json_text)
+            self.chunk_chars = 1 << 14  # tokenizers is faster on many small pieces
+        else:
+            import tiktoken
+            ranks = {_token_bytes(token): i for token, i in vocab.items() if token != EOT}
+            self.encoding = tiktoken.Encoding(name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                              special_tokens={EOT: self.eos_id})
 
     def fingerprint(self) -> str:
         return hashlib.sha256(self._json.encode("utf-8")).hexdigest()
@@ -196,6 +188,24 @@ class BPETokenizer(Tokenizer):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "tokenizer.json").write_text(self._json, encoding="utf-8")
+
+
+class _HFEncoding:
+    """``tokenizers`` behind the tiktoken methods used here, for vocabularies tiktoken cannot take."""
+
+    def __init__(self, json_text: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        self.hf = HFTokenizer.from_str(json_text)
+        self.hf.encode_special_tokens = True  # typed "<|endoftext|>" stays text, as with tiktoken
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=False)
 
 
 def parse_bpe_size(name: str) -> int:
@@ -210,18 +220,14 @@ def parse_bpe_size(name: str) -> int:
     return n
 
 
-def check_tokenizer_name(name: str) -> None:
-    if name != "gpt2":
-        parse_bpe_size(name)
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int, *, progress: bool = False) -> BPETokenizer:
     """Train a byte-level BPE of at most ``vocab_size`` tokens; the same texts give the same ids.
 
     Id 0 is ``<|endoftext|>``, ids 1..256 the bytes, then merges in the order learned.
     The vocabulary is smaller than asked when the texts run out of pairs to merge.
     """
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
     name = f"bpe:{vocab_size}"
     parse_bpe_size(name)
     tok = HFTokenizer(models.BPE())
@@ -306,7 +312,7 @@ def encode_task(tok: Tokenizer, task: Sequence[tuple[int, str, bool]]) -> list[t
     out: list[tuple[int, bytes]] = []
     parts: list[bytes] = []
     cur = None
-    for (doc, _, last), data in zip(task, tok.encode_packed([piece for _, piece, _ in task])):
+    for (doc, _, last), data in zip(task, tok.encode_packed([piece for _, piece, _ in task]), strict=True):
         if doc != cur and cur is not None:
             out.append((cur, b"".join(parts)))
             parts = []
@@ -325,24 +331,18 @@ def _packed(run: array) -> bytes:
     return run.tobytes()
 
 
-_WORKER: Tokenizer | BaseException | None = None
+_WORKER: Tokenizer | None = None
 
 
-def pool_init(name: str, data_dir: str | None) -> None:
-    """Pool initializer: build the tokenizer once per worker process."""
+def pool_init(tok: Tokenizer) -> None:
+    """Worker initializer: keep the tokenizer (sent once, or inherited by fork) and build it."""
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool already uses every core
-    try:
-        _WORKER = load_tokenizer(name, data_dir)
-        if isinstance(_WORKER, GPT2Tokenizer):
-            _WORKER.encoding  # noqa: B018 - build it now, while the parent still reads input
-    except BaseException as e:  # a raising initializer makes Pool respawn workers forever
-        _WORKER = e
+    _WORKER = tok
+    tok.encoding  # noqa: B018 - GPT-2's is built on first use: now, while the parent reads
 
 
 def pool_encode(task: Sequence[tuple[int, str, bool]]) -> list[tuple[int, bytes]]:
-    if not isinstance(_WORKER, Tokenizer):
-        raise _WORKER if _WORKER is not None else RuntimeError("pool_init did not run")
     return encode_task(_WORKER, task)
 
 
@@ -359,9 +359,9 @@ class _Inline:
 
 
 @contextlib.contextmanager
-def open_executor(workers: int, tok: Tokenizer, data_dir: str | None):
+def open_executor(workers: int, tok: Tokenizer):
     """Something to ``submit(pool_encode, task)`` to: this process for one worker, else
-    ``workers`` processes that each load ``tok`` in pool_init (or inherit it by fork).
+    ``workers`` processes holding ``tok``.
 
     Linux forks: a spawned worker re-imports the caller's main module and all it
     imports (torch: seconds each), longer than tokenizing a small corpus. Workers
@@ -375,12 +375,12 @@ def open_executor(workers: int, tok: Tokenizer, data_dir: str | None):
     import multiprocessing
     import warnings
     from concurrent.futures import ProcessPoolExecutor
-    if START_METHOD == "fork" and isinstance(tok, GPT2Tokenizer):
+    if START_METHOD == "fork":
         tok.encoding  # noqa: B018 - built once here, inherited by every worker
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(START_METHOD),
-                               initializer=pool_init, initargs=(tok.name, data_dir))
+                               initializer=pool_init, initargs=(tok,))
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # tells tokenizers the fork is deliberate
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # after train_bpe: tells tokenizers the fork is deliberate
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)

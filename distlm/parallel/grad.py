@@ -46,7 +46,11 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
     for mesh, ps in groups.items():
-        n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0, foreach=True)
+        grads = [p.grad for p in ps]
+        if mesh is not None and mesh.device_type != grads[0].device.type:
+            norms.append(offloaded_norm(grads, mesh))
+            continue
+        n = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
         if hasattr(n, "full_tensor"):
             n = n.full_tensor()
         norms.append(n.float())
@@ -55,3 +59,21 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         for mesh, ps in groups.items():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
     return total
+
+
+def offloaded_norm(grads: list, mesh) -> torch.Tensor:
+    """L2 norm of FSDP2 gradients that live in host memory (CPU offload) on a CUDA mesh.
+
+    DTensor would reduce the partial norms with the mesh's groups, which speak NCCL only
+    and so refuse CPU tensors. Instead: sum the local squares, move that one number to
+    the mesh's device, and all-reduce it over the mesh dims the gradients are sharded on
+    (not the replicated ones: HSDP replicas hold the same shard).
+    """
+    import torch.distributed as dist
+    local = torch.stack([g.to_local().float().pow(2).sum() for g in grads]).sum()
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    local = local.to(device)
+    for dim, placement in enumerate(grads[0].placements):
+        if placement.is_shard():
+            dist.all_reduce(local, group=mesh.get_group(dim))
+    return local.sqrt()

@@ -188,6 +188,7 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_also: list[Path] = (
     removed = []
     for p in complete:
         if p not in keep:
+            (p / MARKER).unlink(missing_ok=True)  # first: a half-deleted folder must not pass for complete
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

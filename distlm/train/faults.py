@@ -45,7 +45,7 @@ class Watchdog:
     def arm(self, step: int):
         if self.seconds > 0:
             faulthandler.cancel_dump_traceback_later()
-            faulthandler.dump_traceback_later(self.seconds, repeat=False, file=sys.stderr, exit=True)
+            faulthandler.dump_traceback_later(self.seconds, repeat=False, file=sys.__stderr__ or sys.stderr, exit=True)
 
     def disarm(self):
         if self.seconds > 0:

@@ -71,7 +71,10 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[
         inner = GPT(cfg.model)
 
     def materialize(m: GPT) -> None:
-        m.to_empty(device=device)
+        # FSDP2's CPU offload wants the sharded parameters allocated in host memory; the
+        # buffers (position tables) still go to the compute device.
+        offload = cfg.parallel.cpu_offload and dims.dp_shard > 1
+        m.to_empty(device=torch.device("cpu") if offload else device)
         m.init_weights(cfg.train.seed, device)
         if cfg.init.from_hf and cfg.train.resume == "never":  # a resume brings its own weights
             from distlm.interop import load_hf_into
@@ -239,7 +242,8 @@ class Trainer:
         mark("forward_backward")
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         # grad_norm is global (reduced over every rank), so all ranks take the same branch.
-        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_mean)):
+        # The check reads two numbers on the host: one device sync per step (on_nan=off avoids it).
+        if self.cfg.train.on_nan == "off" or (bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_mean))):
             self.optimizer.step()
         else:
             self._on_nonfinite(float(loss_mean), float(grad_norm))

@@ -1,0 +1,563 @@
+"""Reliability (issue 7): what the Trainer promises when things go wrong, tested by doing them.
+
+- kill -9 anywhere (start-up, mid-step, mid-save, mid-prune), one process and a 2-rank
+  torchrun tree: the run resumed again and again is the uninterrupted run, bit for bit;
+  every checkpoint with a marker loads; no work is lost beyond the newest checkpoint.
+- SIGTERM / SIGINT: the step finishes, a checkpoint is saved, exit 0, and resuming
+  from it finishes with the reference's losses.
+- NaN/Inf: skipped (the parameters and optimizer state untouched) or stop (exit 3,
+  the step and the tensors named, the checkpoint before the fault protected).
+- A checkpoint that cannot be written (ENOSPC), or one torn by hand afterwards.
+- Corrupt, truncated and inconsistent data; a checkpoint file that would run code.
+- Async checkpoints: what is saved is the state at the save, and resumes are exact.
+
+The runs are tiny (2 layers, d=32, block 16, synthetic tokens, vocab 256; see
+fault_harness.CLI_TINY) so that ~20 real process kills fit in about two minutes on two
+cores. Counts go to stdout (pytest -s) and to ``fault_counts.json`` in the tmp folder.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import fault_harness as fh
+from distlm.config import load_config
+from distlm.train import checkpoint as ckpt
+from distlm.train.trainer import Trainer, TrainingStopped
+
+KILL_SEED = 1234
+SUMMARY: dict = {}
+
+
+@dataclass
+class Reference:
+    root: Path
+    rows: list
+    startup_s: float  # launch -> first step printed
+    step_s: float  # mean wall time of a step, saves and prunes included
+    total_s: float
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    """The uninterrupted run every interrupted one must reproduce."""
+    root = tmp_path_factory.mktemp("faults")
+    log = root / "ref.log"
+    t0 = time.monotonic()
+    proc = fh.launch(fh.train_cmd(root, "ref"), log)
+    assert fh.wait_for(lambda: fh.last_console_step(log) >= 1, proc, timeout=180), log.read_text()
+    startup = time.monotonic() - t0
+    assert proc.wait(timeout=240) == 0, log.read_text()
+    total = time.monotonic() - t0
+    rows = fh.metric_rows(root / "ref")
+    assert [r[0] for r in rows] == [str(s) for s in range(1, fh.STEPS + 1)]
+    with open(root / "ref" / "metrics.csv") as f:
+        import csv
+        elapsed = [float(r["elapsed_s"]) for r in csv.DictReader(f) if r["loss"]]
+    step_s = (elapsed[-1] - elapsed[0]) / (len(elapsed) - 1)
+    SUMMARY["reference"] = {"startup_s": round(startup, 2), "step_s": round(step_s, 4), "total_s": round(total, 2)}
+    return Reference(root, rows, startup, step_s, total)
+
+
+@pytest.fixture(scope="module")
+def summary_file(reference):
+    """Every test adds its counts to SUMMARY; written once the module is done."""
+    yield reference.root / "fault_counts.json"
+    path = reference.root / "fault_counts.json"
+    path.write_text(json.dumps(SUMMARY, indent=1))
+    print(f"\nfault counts: {path}")
+
+
+def close(a: str, b: str, tol: float = 1e-5) -> bool:
+    return math.isclose(float(a), float(b), rel_tol=tol, abs_tol=tol)
+
+
+# ---- 1. kill -9 anywhere ---------------------------------------------------------------
+@pytest.mark.dist
+def test_kill9_anywhere_resumes_bit_exact(reference, summary_file, tmp_path):
+    rng = random.Random(KILL_SEED)
+    after = max(0.06, 3 * reference.step_s)  # past a chosen step's row: the step, its save, its prune
+
+    one = fh.Campaign(tmp_path, "victim", rng, startup_s=reference.startup_s, after_s=after, min_kills=16).run()
+    assert fh.metric_rows(one.run_dir) == reference.rows, "resumed run differs from the uninterrupted one"
+    c1 = one.counts()
+
+    # Two ranks (DDP over gloo), the whole torchrun tree killed each time. The loader
+    # deals the same global batch to 1 or 2 ranks, so it must match the 1-process run.
+    two = fh.Campaign(tmp_path, "victim2", rng, startup_s=2.5 * reference.startup_s, after_s=after,
+                      min_kills=5, nproc=2, startup_share=0.15).run()
+    rows2 = fh.metric_rows(two.run_dir)
+    assert [r[0] for r in rows2] == [r[0] for r in reference.rows]
+    for got, ref in zip(rows2, reference.rows):
+        assert got[3] == ref[3], f"lr at step {got[0]}"
+        assert close(got[1], ref[1]) and close(got[2], ref[2]), f"2-rank step {got[0]}: {got} vs {ref}"
+    c2 = two.counts()
+    c2["bit_exact_vs_1_process"] = rows2 == reference.rows
+
+    for c in (one, two):  # what is left at the end: complete checkpoints that load, newest = the end
+        complete, torn = fh.checkpoints(c.run_dir)
+        assert complete and fh.step_of(complete[-1]) == fh.STEPS
+        assert not any(p.name.startswith(".tmp-") for p in torn), "the finished run left a .tmp-step_* folder"
+        for p in complete:
+            fh.load_into_fresh(p)
+
+    kills = c1["kills"] + c2["kills"]
+    SUMMARY["kill9"] = {"seed": KILL_SEED, "kills": kills, "single": c1, "ddp2": c2}
+    print(f"\nkill -9: {kills} kills ({c1['kills']} x 1 process, {c2['kills']} x 2-rank torchrun), "
+          f"{c1['mid_save_kills'] + c2['mid_save_kills']} left a torn .tmp-step_* (mid-save), "
+          f"{c1['resumes'] + c2['resumes']} resumes; phases 1-proc {c1['phases']}, 2-rank {c2['phases']}; "
+          f"{c1['seconds'] + c2['seconds']:.0f} s")
+    assert c1["kills"] >= 15 and c2["kills"] >= 5 and kills >= 20
+    assert c1["phases"].get("startup", 0) >= 1 and c1["phases"].get("save", 0) >= 1, c1["phases"]
+
+
+# ---- 2. SIGTERM / SIGINT -------------------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.parametrize("sig, after_step", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_signal_saves_exits_0_and_resumes(reference, summary_file, tmp_path, sig, after_step):
+    """SIGTERM after step 2's row (its save is under way); SIGINT after step 1's (mid-step)."""
+    run_dir, log = tmp_path / "sig", tmp_path / "sig.log"
+    proc = fh.launch(fh.train_cmd(tmp_path, "sig"), log)
+    assert fh.wait_for(lambda: fh.last_logged_step(run_dir) >= after_step, proc, timeout=180), log.read_text()
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 0, log.read_text()
+    out = log.read_text()
+    assert f"stopped: {sig.name} received" in out, out
+    step = int(re.search(rf"{sig.name} received at step (\d+): saving a checkpoint", out).group(1))
+    assert after_step <= step < fh.STEPS
+    saved = Path(re.search(r"stopped: \S+ received; checkpoint (\S+);", out).group(1))
+    assert saved.name == f"step_{step:07d}" and saved.parent == run_dir / "checkpoints"
+    complete, torn = fh.checkpoints(run_dir)
+    assert complete[-1] == saved and not torn
+    assert fh.load_into_fresh(saved)["trainer"]["step"] == step
+    assert fh.metric_rows(run_dir) == reference.rows[:step]
+    assert "continue with: distlm train ... log.name=sig train.resume=auto" in out
+
+    p = fh.run(fh.train_cmd(tmp_path, "sig", "train.resume=auto"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"resumed from {saved} (step {step}," in p.stdout and f"done: step {fh.STEPS}" in p.stdout
+    assert fh.metric_rows(run_dir) == reference.rows
+    SUMMARY.setdefault("preemptions", []).append({"signal": sig.name, "stopped_at": step})
+
+
+@pytest.mark.dist
+def test_second_ctrl_c_interrupts_at_once(tmp_path):
+    run_dir, log = tmp_path / "cc", tmp_path / "cc.log"
+    proc = fh.launch(fh.train_cmd(tmp_path, "cc", "train.max_steps=100000"), log)
+    assert fh.wait_for(lambda: fh.last_logged_step(run_dir) >= 1, proc, timeout=180), log.read_text()
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, log.read_text()
+    assert "interrupted" in log.read_text()
+    complete, _ = fh.checkpoints(run_dir)
+    for p in complete:  # whatever it was doing, nothing it left claims to be whole and is not
+        fh.load_into_fresh(p, fh.CLI_TINY + ["train.max_steps=100000"])
+
+
+# ---- in-process helpers ----------------------------------------------------------------
+def make_trainer(root: Path, name: str, *extra: str) -> Trainer:
+    return Trainer(load_config(None, fh.CLI_TINY + [f"log.root={root}", f"log.name={name}", *extra]))
+
+
+def params(t: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in t.gpt.parameters()]
+
+
+def record_steps(t: Trainer) -> dict:
+    """Wrap t.train_step: step -> (params before, params after, Adam step counts before/after, loss)."""
+    seen, inner = {}, t.train_step
+
+    def wrapped(*a, **k):
+        before = params(t)
+        adam_before = [float(s["step"]) for s in t.optimizer.state.values()]
+        loss, gn = inner(*a, **k)
+        seen[t.step] = (before, params(t), adam_before, [float(s["step"]) for s in t.optimizer.state.values()],
+                        float(loss))
+        return loss, gn
+
+    t.train_step = wrapped
+    return seen
+
+
+def nan_at(t: Trainer, *steps: int) -> None:
+    """The loss of the given (1-based) steps becomes NaN."""
+    inner = t.loss_fn
+    t.loss_fn = lambda logits, y: inner(logits, y) * (float("nan") if t.step + 1 in steps else 1.0)
+
+
+def names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+# ---- 3. non-finite values --------------------------------------------------------------
+def test_nan_skip_leaves_parameters_and_goes_on(tmp_path, capsys):
+    t = make_trainer(tmp_path, "skip", "train.max_steps=10", "train.checkpoint_every=1", "train.keep_last=1",
+                     "train.on_nan=skip")
+    nan_at(t, 5)
+    seen = record_steps(t)
+    summary = t.train()
+    out = capsys.readouterr().out
+    assert "warning: non-finite values at step 5: loss nan" in out and "step skipped (1/10)" in out
+    assert "step_0000004 (before the fault) is kept" in out
+    before, after, adam_before, adam_after, loss = seen[5]
+    assert math.isnan(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a skipped step changed the parameters"
+    assert adam_before == adam_after, "a skipped step advanced AdamW"
+    for s in (4, 6):  # the steps around it did train
+        assert not all(torch.equal(a, b) for a, b in zip(seen[s][0], seen[s][1]))
+        assert math.isfinite(seen[s][4])
+    assert summary["step"] == 10 and t.nan_skips == 1
+    rows = fh.metric_rows(tmp_path / "skip")
+    assert [r[0] for r in rows] == [str(s) for s in range(1, 11)] and rows[4][1] == "nan"
+    # keep_last=1 pruned every other checkpoint, but not the last one before the fault.
+    assert names(tmp_path / "skip") == ["step_0000004", "step_0000010"]
+    meta = fh.load_into_fresh(tmp_path / "skip" / "checkpoints" / "step_0000010")
+    assert meta["trainer"]["protected"] == ["step_0000004"] and meta["trainer"]["nan_skips"] == 1
+    fh.load_into_fresh(tmp_path / "skip" / "checkpoints" / "step_0000004")
+
+
+def test_nan_skip_budget_then_stop(tmp_path, capsys):
+    t = make_trainer(tmp_path, "budget", "train.max_steps=10", "train.checkpoint_every=2", "train.on_nan=skip",
+                     "train.max_nan_skips=1")
+    nan_at(t, 3, 6)
+    with pytest.raises(TrainingStopped, match=r"non-finite values at step 6: .*more than train.max_nan_skips=1"):
+        t.train()
+    assert "non-finite values at step 3" in capsys.readouterr().out
+
+
+def test_nan_stop_names_step_and_tensors_and_keeps_checkpoint(tmp_path):
+    t = make_trainer(tmp_path, "stop", "train.max_steps=10", "train.checkpoint_every=1", "train.keep_last=1",
+                     "train.on_nan=stop")
+    nan_at(t, 5)
+    seen = record_steps(t)
+    with pytest.raises(TrainingStopped) as e:
+        t.train()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("non-finite values at step 5: loss nan, grad norm nan")
+    assert "; gradients of tok_emb.weight, " in msg and "(train.on_nan=stop)" in msg
+    before = tmp_path / "stop" / "checkpoints" / "step_0000004"
+    assert f"checkpoint {before} (before the fault) is kept" in msg
+    # keep_last=1 pruned steps 1-3 as it went; the one before the fault is protected and loads.
+    assert t.protected == ["step_0000004"] and names(tmp_path / "stop") == ["step_0000004"]
+    assert fh.load_into_fresh(before)["step"] == 4
+    assert 5 not in seen  # it never returned from the faulty step
+    assert all(torch.equal(a, b) for a, b in zip(seen[4][1], params(t))), "the faulty step changed parameters"
+
+
+def inf_in(t: Trainer, step: int) -> str:
+    """Only one parameter's gradient becomes non-finite at ``step`` (the loss stays finite)."""
+    name, p = [(n, p) for n, p in t.gpt.named_parameters() if n.startswith("blocks.1.") and p.ndim == 2][-1]
+    p.register_hook(lambda g: g * float("inf") if t.step + 1 == step else g)
+    return name
+
+
+def test_inf_in_one_gradient_names_that_tensor_without_clipping(tmp_path):
+    t = make_trainer(tmp_path, "inf0", "train.max_steps=6", "train.on_nan=stop", "train.grad_clip=0")
+    name = inf_in(t, 3)
+    with pytest.raises(TrainingStopped) as e:
+        t.train()
+    assert str(e.value).startswith("non-finite values at step 3: loss ")
+    assert f"; gradients of {name} (train.on_nan=stop)" in str(e.value), str(e.value)
+
+
+@pytest.mark.xfail(strict=True, reason="distlm bug: clip_grad_norm scales every gradient by max_norm/(nan) "
+                   "before nonfinite_grads looks, so the message lists the first 8 parameters, not the culprit")
+def test_inf_in_one_gradient_names_that_tensor_with_clipping(tmp_path):
+    t = make_trainer(tmp_path, "inf1", "train.max_steps=6", "train.on_nan=stop", "train.grad_clip=1.0")
+    name = inf_in(t, 3)
+    with pytest.raises(TrainingStopped) as e:
+        t.train()
+    assert f"; gradients of {name} (train.on_nan=stop)" in str(e.value), str(e.value)
+
+
+@pytest.mark.dist
+def test_nan_via_cli_exits_3_with_one_line(tmp_path):
+    p = fh.run(fh.train_cmd(tmp_path, "div", "train.lr=1e30", "train.min_lr=0", "train.on_nan=stop",
+                            "train.checkpoint_every=1"))
+    assert p.returncode == 3, p.stdout + p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: non-finite values at step "), p.stderr
+    assert "gradients of tok_emb.weight" in err[0] and "(train.on_nan=stop)" in err[0]
+    step = int(re.search(r"at step (\d+)", err[0]).group(1))
+    assert f"step_{step - 1:07d} (before the fault) is kept" in err[0]
+
+
+# ---- 4. disk faults ------------------------------------------------------------------
+def fail_saves(monkeypatch, fail_on: set[int]) -> list[int]:
+    """dcp.save (as distlm.train.checkpoint calls it) raises ENOSPC on the given calls."""
+    real, calls = ckpt.dcp.save, []
+
+    def save(*a, **k):
+        calls.append(len(calls) + 1)
+        if calls[-1] in fail_on:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt.dcp, "save", save)
+    return calls
+
+
+def test_enospc_stop_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    t = make_trainer(tmp_path, "full", "train.max_steps=10", "train.checkpoint_every=2",
+                     "train.on_save_error=stop")
+    fail_saves(monkeypatch, {2})
+    with pytest.raises(TrainingStopped) as e:
+        t.train()
+    msg = str(e.value)
+    prev = tmp_path / "full" / "checkpoints" / "step_0000002"
+    assert "cannot write checkpoint step_0000004" in msg and "No space left on device" in msg
+    assert f"the previous checkpoint {prev} is intact" in msg and "train.on_save_error=stop" in msg
+    complete, _ = fh.checkpoints(tmp_path / "full")
+    assert complete == [prev] and fh.load_into_fresh(prev)["step"] == 2
+
+
+def test_enospc_continue_goes_on_and_saves_later(tmp_path, monkeypatch, capsys):
+    t = make_trainer(tmp_path, "cont", "train.max_steps=10", "train.checkpoint_every=2",
+                     "train.on_save_error=continue")
+    calls = fail_saves(monkeypatch, {2, 3})
+    summary = t.train()
+    out = capsys.readouterr().out
+    assert "warning: cannot write checkpoint step_0000004" in out and "training goes on" in out
+    assert "cannot write checkpoint step_0000006" in out
+    # saves at steps 2, 4, 6, 8, 10, and step 10 again at the end of train() (with its val loss)
+    assert summary["step"] == 10 and len(calls) == 6
+    complete, _ = fh.checkpoints(tmp_path / "cont")
+    assert [p.name for p in complete] == ["step_0000008", "step_0000010"]
+    for p in complete:
+        fh.load_into_fresh(p)
+
+
+@pytest.mark.xfail(strict=True, reason="distlm bug: a failed save leaves its .tmp-step_* folder (partial "
+                   "files on a full disk) behind; checkpoint.save_checkpoint should remove it before re-raising")
+def test_failed_save_cleans_its_tmp_folder(tmp_path, monkeypatch):
+    t = make_trainer(tmp_path, "tmpleft", "train.max_steps=4", "train.checkpoint_every=2",
+                     "train.on_save_error=continue")
+    fail_saves(monkeypatch, {1})
+    t.train()
+    _, torn = fh.checkpoints(tmp_path / "tmpleft")
+    assert torn == []
+
+
+def test_torn_newest_checkpoint_is_skipped_on_resume(tmp_path, capsys):
+    t = make_trainer(tmp_path, "torn", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=3")
+    t.train()
+    full = fh.metric_rows(tmp_path / "torn")
+    (tmp_path / "torn" / "checkpoints" / "step_0000006" / ckpt.MARKER).unlink()
+    capsys.readouterr()
+    t2 = make_trainer(tmp_path, "torn", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=3",
+                      "train.resume=auto")
+    out = capsys.readouterr().out
+    torn = tmp_path / "torn" / "checkpoints" / "step_0000006"
+    assert f"resume: skipping incomplete checkpoint {torn} (no distlm.json)" in out
+    assert t2.step == 4 and "step_0000004 (step 4," in out
+    t2.train()  # re-saves step 6 over the torn folder
+    assert fh.metric_rows(tmp_path / "torn") == full
+    assert names(tmp_path / "torn") == ["step_0000002", "step_0000004", "step_0000006"]
+    assert fh.load_into_fresh(torn)["step"] == 6
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at a chosen instruction: nothing after it runs."""
+
+
+def test_interrupted_prune_leaves_no_checkpoint_that_claims_to_be_whole(tmp_path, monkeypatch):
+    """kill -9 inside prune's rmtree: whatever is left must not carry a marker unless it loads."""
+    t = make_trainer(tmp_path, "pr", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=5")
+    t.train()
+    root = tmp_path / "pr" / "checkpoints"
+    real = shutil.rmtree
+
+    def dies_midway(path, *a, **k):  # deletes one payload file, then the process is gone
+        (Path(path) / ".metadata").unlink(missing_ok=True)
+        raise Killed
+    monkeypatch.setattr(ckpt.shutil, "rmtree", dies_midway)
+    with pytest.raises(Killed):
+        ckpt.prune_checkpoints(root, keep_last=1)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real)
+    complete, torn = ckpt.list_checkpoints(root)
+    assert complete[-1].name == "step_0000006"
+    for p in complete:
+        fh.load_into_fresh(p)
+
+
+@pytest.mark.xfail(strict=True, reason="distlm bug: train() saves its last step twice; the re-save moves the "
+                   "complete step_N aside before renaming the new one in, so a kill between the two renames "
+                   "leaves no step_N and resume=auto falls back to the checkpoint before it")
+def test_kill_between_the_renames_of_a_resave_keeps_the_step(tmp_path, monkeypatch):
+    t = make_trainer(tmp_path, "rs", "train.max_steps=4", "train.checkpoint_every=2", "train.keep_last=5")
+    t.train()
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-step_") and Path(dst).name.startswith("step_"):
+            raise Killed  # .tmp-step_N -> step_N never happens
+        return real(src, dst)
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    with pytest.raises(Killed):
+        t.save()
+    monkeypatch.setattr(ckpt.os, "replace", real)
+    complete, _ = ckpt.list_checkpoints(tmp_path / "rs" / "checkpoints")
+    assert complete[-1].name == "step_0000004", f"newest complete is {complete[-1].name}: step 4 was lost"
+
+
+def test_train_runs_with_python_level_stderr_redirected(tmp_path):
+    """The watchdog wants a real file descriptor; sys.stderr may be a StringIO (notebooks,
+    redirect_stderr, pytest's capsys). It used to raise io.UnsupportedOperation: fileno."""
+    import contextlib
+    import io
+    t = make_trainer(tmp_path, "se", "train.max_steps=2", "train.watchdog_s=60")
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert t.train()["step"] == 2
+
+
+# ---- 5. data faults ------------------------------------------------------------------
+def train_main(capsys, data: Path, root: Path, *extra: str) -> tuple[int, list[str]]:
+    from distlm.cli import main
+    capsys.readouterr()
+    rc = main(["train", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64",
+               "model.block_size=16", f"data.dir={data}", "train.max_steps=2", "log.progress=false",
+               "log.tensorboard=false", f"log.root={root}", "log.name=d", *extra])
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def data_copy(tiny_data, tmp_path) -> Path:
+    out = tmp_path / "data"
+    shutil.copytree(tiny_data, out)
+    return out
+
+
+def test_flipped_byte_in_shard_exits_2_naming_it(data_copy, tmp_path, capsys):
+    shard = data_copy / "train_000000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    rc, err = train_main(capsys, data_copy, tmp_path / "runs")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: ") and str(shard) in err[0] and "sha256" in err[0]
+
+
+def test_truncated_shard_exits_2_naming_it(data_copy, tmp_path, capsys):
+    shard = data_copy / "train_000000.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 6)
+    rc, err = train_main(capsys, data_copy, tmp_path / "runs")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: ") and str(shard) in err[0] and "tokens long" in err[0]
+
+
+def test_manifest_vocab_larger_than_model_exits_2_naming_field(data_copy, tmp_path, capsys):
+    m = json.loads((data_copy / "manifest.json").read_text())
+    m["tokenizer"]["vocab_size"] = 60000
+    (data_copy / "manifest.json").write_text(json.dumps(m))
+    rc, err = train_main(capsys, data_copy, tmp_path / "runs", "model.vocab_size=50304")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: model.vocab_size=50304") and "60000" in err[0] and "manifest.json" in err[0]
+
+
+# ---- 6. safe loading -----------------------------------------------------------------
+class _Evil:
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("safe")
+    make_trainer(root, "s", "train.max_steps=2", "train.checkpoint_every=2").train()
+    return root / "s" / "checkpoints" / "step_0000002"
+
+
+def test_rng_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
+    bad = tmp_path / "ck"
+    shutil.copytree(one_checkpoint, bad)
+    pwned = tmp_path / "pwned"
+    torch.save({"cpu": _Evil(pwned)}, bad / "rng" / "rank_00000.pt")
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        fh.load_into_fresh(bad)
+    assert not pwned.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="distlm gap: DCP reads .metadata with plain pickle.load "
+                   "(pytorch/pytorch#189308); checkpoint.py should read it with an allow-listed unpickler")
+def test_metadata_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
+    bad = tmp_path / "ck"
+    shutil.copytree(one_checkpoint, bad)
+    pwned = tmp_path / "pwned"
+    import pickle
+    (bad / ".metadata").write_bytes(pickle.dumps(_Evil(pwned)))
+    with pytest.raises(Exception):
+        fh.load_into_fresh(bad)
+    assert not pwned.exists(), "loading the checkpoint ran code from its .metadata"
+
+
+@pytest.mark.xfail(strict=True, reason="distlm gap: DCP loads non-tensor entries (optimizer param_groups) "
+                   "with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes)")
+def test_byte_entry_that_runs_code_is_refused(one_checkpoint, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    bad = tmp_path / "ck"
+    shutil.copytree(one_checkpoint, bad)
+    pwned = tmp_path / "pwned"
+    model, opt = fh.fresh_model_and_optimizer(fh.CLI_TINY)
+    fh.load_into_fresh(bad)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    optim_sd["param_groups"][0]["lr"] = _Evil(pwned)
+    for p in bad.glob("*.distcp"):
+        p.unlink()
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(bad))
+    try:
+        fh.load_into_fresh(bad)
+    except Exception:
+        pass
+    assert not pwned.exists(), "loading the checkpoint ran code from an optimizer entry"
+
+
+# ---- 7. async checkpoints ------------------------------------------------------------
+def test_async_checkpoint_holds_the_state_at_the_save(tmp_path):
+    """dcp.async_save writes in the background while training goes on: each checkpoint
+    must still hold the parameters of its own step, not a later one's."""
+    t = make_trainer(tmp_path, "as", "train.max_steps=8", "train.checkpoint_every=2", "train.keep_last=10",
+                     "train.async_checkpoint=true")
+    at_save, inner = {}, t.save
+
+    def save(*a, **k):
+        at_save[t.step] = params(t)
+        return inner(*a, **k)
+    t.save = save
+    t.train()
+    complete, torn = fh.checkpoints(tmp_path / "as")
+    assert [fh.step_of(p) for p in complete] == [2, 4, 6, 8] and not torn
+    for p in complete:
+        model, opt = fh.fresh_model_and_optimizer(fh.CLI_TINY)
+        rng = torch.get_rng_state()
+        ckpt.load_checkpoint(p, model, opt)
+        torch.set_rng_state(rng)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), at_save[fh.step_of(p)])), p.name
+
+
+@pytest.mark.dist
+def test_async_checkpoint_kill9_resumes_bit_exact(reference, summary_file, tmp_path):
+    rng = random.Random(KILL_SEED + 1)
+    c = fh.Campaign(tmp_path, "async", rng, startup_s=reference.startup_s, after_s=max(0.06, 3 * reference.step_s),
+                    min_kills=4, extra=("train.async_checkpoint=true",), startup_share=0.0).run()
+    assert fh.metric_rows(c.run_dir) == reference.rows
+    counts = c.counts()
+    SUMMARY["async_kill9"] = counts
+    print(f"\nasync kill -9: {counts['kills']} kills, {counts['mid_save_kills']} mid-save, "
+          f"{counts['resumes']} resumes, phases {counts['phases']}")
+    assert counts["kills"] >= 4
