@@ -1,5 +1,5 @@
 # The two set-up commands. Both work on a fresh machine with no network beyond PyPI.
-.PHONY: run test install install-dev clean
+.PHONY: run test install install-dev horovod clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,6 +20,10 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q tests
+
+# Horovod 0.28.1 (patched to build against torch >= 2.1), cached; see scripts/build_horovod.sh
+horovod: $(VENV)/.installed-dev
+	bash scripts/build_horovod.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

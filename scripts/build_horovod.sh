@@ -7,7 +7,8 @@
 # The built wheel is cached per (torch, python, gpu/cpu); a rebuild happens only when one changes.
 set -euo pipefail
 VENV=${VENV:-.venv}
-PY="$VENV/bin/python"
+PY=${PYTHON:-$VENV/bin/python}   # PYTHON=python3 on a machine without the venv (the GPU box)
+OFFLINE=${OFFLINE:-0}            # 1: the sdist is given and the build dependencies are already there
 SDIST=${1:-}
 CACHE=${DISTLM_CACHE:-$HOME/.cache/distlm}/horovod
 torch_ver=$("$PY" -c "import torch; print(torch.__version__)")
@@ -32,16 +33,21 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   src="$work/horovod-0.28.1"
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
   grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
-  "$PY" -m pip install -q cmake packaging cloudpickle psutil pyyaml cffi wheel
+  [ "$OFFLINE" = 1 ] || "$PY" -m pip install -q packaging cloudpickle psutil pyyaml cffi wheel
   extra=()
-  [ "$gpu" = nccl ] && extra=(HOROVOD_GPU_OPERATIONS=NCCL)
+  if [ "$gpu" = nccl ]; then
+    # torch's wheels carry NCCL (nvidia-nccl-*): point Horovod's CMake at it
+    nccl=$("$PY" -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])" 2>/dev/null || true)
+    extra=(HOROVOD_GPU_OPERATIONS=NCCL ${nccl:+HOROVOD_NCCL_HOME=$nccl})
+  fi
   echo "building horovod 0.28.1 for $key (a few minutes) ..."
   mkdir -p "$wheel_dir"
   env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
       HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" "${extra[@]}" \
       "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$wheel_dir"
 fi
+[ -n "${TARGET:-}" ] && { "$PY" -m pip install -q --no-deps --target "$TARGET" "$wheel_dir"/horovod-*.whl; exit 0; }
 "$PY" -m pip install -q --no-deps "$wheel_dir"/horovod-*.whl
-"$PY" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+[ "$OFFLINE" = 1 ] || "$PY" -m pip install -q cloudpickle psutil pyyaml packaging cffi
 touch "$VENV/.horovod-$key"
 "$VENV/bin/horovodrun" --check-build | sed -n '1,20p'
