@@ -113,6 +113,8 @@ class ParallelConfig:
     ddp_bucket_mb: int = 25
     activation_checkpoint: str = choice("none", "none", "full", "selective")
     timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
+    engine: str = choice("torch", "torch", "horovod", help="data parallelism through torch.distributed or Horovod")
+    fp16_compression: bool = doc(False, "Horovod: send gradients as fp16")
 
 
 @dataclass

@@ -10,6 +10,7 @@ see (weights at init, tying, FSDP units, group timeouts) to ``out``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,19 @@ def norm_paths(trainer: Trainer) -> list[float]:
     return [by_dtensor, by_hand]
 
 
+def _crash_after_save(trainer: Trainer) -> None:
+    """Rank 1 dies right after the first checkpoint, as a lost GPU would; torchrun
+    --max_restarts then starts every worker again, and train.resume=auto continues."""
+    save = trainer.save
+
+    def save_then_crash(*args, **kwargs):
+        path = save(*args, **kwargs)
+        if trainer.dims.rank == 1:
+            os._exit(3)
+        return path
+    trainer.save = save_then_crash
+
+
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     results = {}
@@ -77,9 +91,11 @@ def main(plan_path: str) -> None:
         t0 = time.perf_counter()
         cfg = load_config(None, job["overrides"])
         trainer = Trainer(cfg)
+        if job.get("crash_after_first_save") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            _crash_after_save(trainer)
         info = {"start_step": trainer.step, "resumed_from": str(trainer.resumed_from or ""),
                 "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
-        if trainer.step == 0:
+        if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
             info.update(inspect_model(trainer))
             if trainer.dims.dp_shard > 1:
                 info["grad_norms"] = norm_paths(trainer)

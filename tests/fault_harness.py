@@ -253,6 +253,7 @@ class Campaign:
     nproc: int = 1
     extra: tuple = ()
     startup_share: float = 0.2
+    advance: tuple = (1, 4)  # a planned kill waits for a step this many steps past the resume point
     max_attempts: int = 60
     check_loads: bool = True
     attempts: list[Attempt] = field(default_factory=list)
@@ -281,7 +282,7 @@ class Campaign:
                 delay, target = self.rng.uniform(0.0, self.startup_s), None
                 plan = f"startup +{delay:.3f}s"
             else:
-                target, delay = start_step + self.rng.randint(1, 4), self.rng.uniform(0.0, self.after_s)
+                target, delay = start_step + self.rng.randint(*self.advance), self.rng.uniform(0.0, self.after_s)
                 plan = f"step {target} +{delay:.3f}s"
             a = Attempt(i, start_step, plan if kill else "run to the end")
             log = self.root / f"{self.name}.attempt{i:02d}.log"

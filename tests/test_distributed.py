@@ -24,7 +24,7 @@ import torch
 from distlm.config import load_config
 from distlm.train.trainer import Trainer
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
@@ -101,11 +101,12 @@ def torchrun(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run_worker(root: Path, nproc: int, jobs: list[dict]) -> dict:
+def run_worker(root: Path, nproc: int, jobs: list[dict], *torchrun_args: str) -> dict:
     plan = root / f"plan_{nproc}.json"
     out = root / f"results_{nproc}.json"
     plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    check([torchrun("--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(plan))], root / f"launch_{nproc}.log")
+    check([torchrun("--standalone", f"--nproc_per_node={nproc}", *torchrun_args, str(WORKER), str(plan))],
+          root / f"launch_{nproc}.log")
     return json.loads(out.read_text())
 
 
@@ -154,6 +155,10 @@ def four(root, reference) -> dict:
 def two(root, four) -> dict:
     resume_fsdp = f"train.resume={ckpt(root, 'fsdp4')}"
     jobs = [
+        # First, so that the restarted attempt reruns nothing else: rank 1 dies after the
+        # step-3 checkpoint, torchrun restarts both workers, resume=auto continues.
+        {"name": "restart", "crash_after_first_save": True,
+         "overrides": overrides(root, "restart", "parallel.dp_shard=2", "train.resume=auto")},
         {"name": "fsdp2", "overrides": overrides(root, "fsdp2", "parallel.dp_shard=2")},
         {"name": "ddp2", "overrides": overrides(root, "ddp2", "parallel.dp_replicate=2")},
         {"name": "fsdp4_to_fsdp2_zero2", "overrides": overrides(root, "fsdp4_to_fsdp2_zero2", "parallel.dp_shard=2",
@@ -165,7 +170,7 @@ def two(root, four) -> dict:
         {"name": "fsdp2_offload", "overrides": overrides(root, "fsdp2_offload", "parallel.dp_shard=2",
                                                          "parallel.cpu_offload=true")},
     ]
-    return run_worker(root, 2, jobs)
+    return run_worker(root, 2, jobs, "--max_restarts=1")
 
 
 # ---- 4 ranks -------------------------------------------------------------------------
@@ -214,6 +219,13 @@ def test_resume_on_another_layout_continues_the_run(root, reference, two, name, 
     assert {r["start_step"] for r in two[name]} == {SAVE_AT}
     assert {r["resumed_from"] for r in two[name]} == {str(ckpt(root, source))}
     assert_matches(root / name, reference, steps=range(SAVE_AT + 1, STEPS + 1))
+
+
+def test_torchrun_restart_resumes_and_matches(root, reference, two):
+    """The restarted workers build their process groups on a fresh key prefix (a stale
+    one hangs gloo's sub-group connect), resume from step 3 and end on the reference."""
+    assert {r["start_step"] for r in two["restart"]} == {SAVE_AT}
+    assert_matches(root / "restart", reference)
 
 
 def test_resume_four_ranks_to_one_process(root, reference, four):

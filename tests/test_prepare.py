@@ -336,3 +336,11 @@ def test_load_manifest_and_verify_errors(tmp_path):
     (out / "manifest.json").write_text("{")
     with pytest.raises(DataError, match="not a valid JSON manifest"):
         load_manifest(out)
+
+
+def test_a_folder_with_only_train_bin_is_text(tmp_path):
+    folder = write_docs(tmp_path / "in", DOCS[:3])
+    (folder / "model_train.bin").write_bytes(np.arange(5000, dtype="<u2").tobytes())
+    m = run([folder], tmp_path / "out")
+    assert m["split_method"] == "document-hash" and m["stats"]["skipped_binary"] == 1
+    assert m["stats"]["binary_examples"] == [str(folder / "model_train.bin")]

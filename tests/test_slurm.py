@@ -21,6 +21,9 @@ from distlm.parallel.launch import (LaunchError, expand_hostlist, gpus_per_node,
 
 ROOT = Path(__file__).resolve().parent.parent
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+TINY = ["model.n_layer=2", "model.d_model=64", "model.d_ff=256", "model.block_size=32", "model.vocab_size=256",
+        "data.source=synthetic", "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_every=0",
+        "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "gpt", "SLURM_JOB_NODELIST": "gpu[07-08]",
        "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "8"}
 
@@ -106,7 +109,6 @@ echo "$@" > "$FAKE_LOG/srun.args"
 echo $$ > "$FAKE_LOG/srun.pid"
 while [[ "$1" == --* ]]; do shift; done
 case "$FAKE_SRUN" in
-  sleep) exec sleep 60 ;;
   noop) exit 0 ;;
   *) SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@" ;;
 esac
@@ -148,10 +150,7 @@ def batch(tmp_path: Path, mode: str, *args: str) -> tuple[subprocess.Popen, Path
 
 @pytest.mark.dist
 def test_sbatch_trains_logs_the_job_and_does_not_requeue_a_finished_run(tmp_path):
-    tiny = ["model.n_layer=2", "model.d_model=64", "model.d_ff=256", "model.block_size=32", "model.vocab_size=256",
-            "data.source=synthetic", "train.max_steps=2", "train.global_batch_size=4", "train.micro_batch_size=4",
-            "train.eval_every=0", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
-    proc, log, run = batch(tmp_path, "run", "tiny", *tiny)
+    proc, log, run = batch(tmp_path, "run", "tiny", *TINY, "train.max_steps=2")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     srun = (log / "srun.args").read_text()
@@ -170,16 +169,21 @@ def test_sbatch_requeues_an_unfinished_run(tmp_path):
     assert (log / "scontrol.log").read_text().split() == ["requeue", "4242"]
 
 
-def test_sbatch_requeues_on_usr1(tmp_path):
-    proc, log, run = batch(tmp_path, "sleep", "tiny")
+@pytest.mark.dist
+def test_sbatch_usr1_checkpoints_then_requeues(tmp_path):
+    """SLURM's early warning reaches the trainer as SIGTERM (srun -> torchrun -> worker):
+    it saves at the step it is on and exits, and the script requeues the unfinished run."""
+    proc, log, run = batch(tmp_path, "run", "tiny", *TINY, "train.max_steps=100000", "log.every=1")
     deadline = time.time() + 120
-    while not (log / "srun.pid").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+    while not (run / "metrics.csv").is_file() or len((run / "metrics.csv").read_text().splitlines()) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert (log / "scontrol.log").read_text().split() == ["requeue", "4242"] and "caught USR1" in out
+    assert "SIGTERM received" in out and (log / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    step = json.loads(next((run / "checkpoints").glob("step_*/distlm.json")).read_text())["step"]
+    assert 2 <= step < 100000
 
 
 def test_env_verb_single_process(capsys):

@@ -54,6 +54,7 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
     _check_options(tokenizer, val_fraction, seed, workers, shard_tokens)
     _recover_stale(out_dir)
     _check_out_dir(out_dir)
+    val_fraction = float(val_fraction)  # so 0 and 0.0 fingerprint alike
     options = {"tokenizer": tokenizer, "val_fraction": val_fraction, "seed": seed, "separator": separator,
                "text_field": text_field, "shard_tokens": shard_tokens}
     pretok = pretokenized_inputs(inputs, tokenizer)
@@ -264,20 +265,25 @@ class _Batcher:
         if self.task:
             self.pending.append((self.executor.submit(tkz.pool_encode, self.task), self.size))
             self.task, self.size = [], 0
+        if len(self.pending) > self.window:  # the scan outruns the workers: keep the text in flight bounded
+            _result(self.pending[-self.window - 1][0])
 
     def drain(self, sink: _Sink, bar, keep: int) -> None:
-        from concurrent.futures.process import BrokenProcessPool
         while len(self.pending) > keep:
             future, size = self.pending.popleft()
-            try:
-                runs = future.result()
-            except BrokenProcessPool:
-                raise DataError("a tokenizer worker process died (out of memory? or prepare() called from a "
-                                "script without `if __name__ == '__main__':`, which spawned workers need)") from None
-            for index, data in runs:
+            for index, data in _result(future):
                 sink.write(index, data)
             if bar is not None:
                 bar.update(size)
+
+
+def _result(future) -> list:
+    from concurrent.futures.process import BrokenProcessPool
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise DataError("a tokenizer worker process died (out of memory? or prepare() called from a script "
+                        "without `if __name__ == '__main__':`, which spawned workers need)") from None
 
 
 class _Sink:

@@ -320,31 +320,31 @@ def _hf_docs(src: Source, field_name: str, stats: SourceStats) -> Iterator[tuple
 def pretokenized_inputs(inputs: list[str], tokenizer: str) -> tuple[list[Path], list[Path]] | None:
     """nanoGPT/llm.c ``.bin`` inputs as (train files, val files); None for text inputs.
 
-    Either the files themselves, or one folder holding ``train.bin``/``val.bin``
-    (or llm.c's ``*_train*.bin``/``*_val*.bin``); they must hold GPT-2 tokens.
+    Either the files themselves, or one folder holding both ``train.bin`` and
+    ``val.bin`` (or llm.c's ``*_train*.bin`` and ``*_val*.bin``). A folder with
+    only one kind is text to prepare, its .bin files skipped as binary.
     """
     paths = [Path(i).expanduser() for i in inputs]
+    split = {p: m.group(1) for p in paths if p.suffix == ".bin" and (m := _BIN_SPLIT.search(p.stem))}
     if len(paths) == 1 and paths[0].is_dir():
         folder = paths[0]
-        if (folder / "meta.pkl").is_file() and (folder / "train.bin").is_file():
+        split = {p: m.group(1) for p in sorted(folder.glob("*.bin")) if (m := _BIN_SPLIT.search(p.stem))}
+        if set(split.values()) != {"train", "val"}:
+            return None
+        if (folder / "meta.pkl").is_file():
             raise DataError(f"{folder / 'meta.pkl'}: character-level nanoGPT data is not GPT-2 tokens; "
                             f"prepare the text instead")
-        paths = sorted(p for p in folder.glob("*.bin") if _BIN_SPLIT.search(p.stem))
-        if not paths:
-            return None
     elif not any(p.suffix == ".bin" for p in paths):
         return None
-    elif not all(p.suffix == ".bin" for p in paths):
-        raise DataError(f"cannot mix pre-tokenized .bin files with text inputs: {', '.join(inputs)}")
-    for p in paths:
+    elif len(split) < len(paths):
+        odd = next(p for p in paths if p not in split)
+        raise DataError(f"{odd}: cannot mix with pre-tokenized .bin files; name those like train.bin / val.bin")
+    for p in split:
         if not p.is_file():
             raise DataError(f"{p}: no such file")
-        if not _BIN_SPLIT.search(p.stem):
-            raise DataError(f"{p}: cannot tell train from val; name it like train.bin / val.bin")
-    split = {p: _BIN_SPLIT.search(p.stem).group(1) for p in paths}
-    train, val = [p for p in paths if split[p] == "train"], [p for p in paths if split[p] == "val"]
+    train, val = [p for p in split if split[p] == "train"], [p for p in split if split[p] == "val"]
     if not train or not val:
-        raise DataError(f"pre-tokenized inputs need both a train and a val .bin file: {', '.join(map(str, paths))}")
+        raise DataError(f"pre-tokenized inputs need both a train and a val .bin file: {', '.join(inputs)}")
     if tokenizer != "gpt2":
         raise DataError(f"pre-tokenized .bin files hold GPT-2 tokens; tokenizer {tokenizer!r} cannot apply")
     return train, val

@@ -84,6 +84,18 @@ def _group_options(device_type: str, timeout_s: Optional[float]):
     return Backend.Options("gloo", timeout)
 
 
+def _attempt_store(world: int, timeout: datetime.timedelta):
+    """torchrun --max_restarts: the agent's store outlives a failed attempt, and the
+    restarted workers read the dead attempt's keys when they build the mesh's sub-groups
+    (gloo then times out in connectFullMesh). A key prefix per attempt keeps them apart.
+    None (plain env:// init) when torchelastic does not host the store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"distlm_attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
     """Read torchrun's environment; start the process group with a short timeout."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -95,7 +107,10 @@ def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             backend = "nccl" if device_type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            timeout = datetime.timedelta(seconds=cfg.timeout_s)
+            store = _attempt_store(world, timeout)
+            dist.init_process_group(backend, timeout=timeout, store=store, rank=rank if store else -1,
+                                    world_size=world if store else -1,
                                     device_id=torch.device("cuda", local_rank) if device_type == "cuda" else None)
         dims.build_mesh(device_type, cfg.timeout_s)
     return dims

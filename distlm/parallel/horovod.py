@@ -48,6 +48,13 @@ class HorovodComm:
 def init_horovod(pcfg: ParallelConfig, device_type: str):
     """hvd.init and the topology: Horovod is pure data parallelism (dp_replicate = size)."""
     from distlm.parallel.dims import ParallelDims
+
+    class HorovodDims(ParallelDims):
+        # No DeviceMesh under Horovod: the data-parallel rank is the Horovod rank.
+        @property
+        def dp_rank(self) -> int:
+            return self.rank
+
     hvd = _hvd()
     hvd.init()
     if pcfg.dp_shard > 1 or pcfg.tp > 1 or pcfg.pp > 1:
@@ -56,7 +63,7 @@ def init_horovod(pcfg: ParallelConfig, device_type: str):
         raise ConfigError(f"parallel.dp_replicate={pcfg.dp_replicate} but horovodrun started {hvd.size()} processes")
     if device_type == "cuda":
         torch.cuda.set_device(hvd.local_rank())
-    dims = ParallelDims(dp_replicate=hvd.size(), world_size=hvd.size(), rank=hvd.rank(),
+    dims = HorovodDims(dp_replicate=hvd.size(), world_size=hvd.size(), rank=hvd.rank(),
                         local_rank=hvd.local_rank())
     dims.engine, dims.comm = "horovod", HorovodComm()
     return dims

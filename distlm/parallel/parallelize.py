@@ -45,7 +45,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         apply_fsdp(model, dims, cfg.parallel)
     if materialize is not None:
         materialize(model)
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+    if dims.dp_replicate > 1 and dims.dp_shard == 1 and cfg.parallel.engine == "torch":  # Horovod reduces itself
         from distlm.parallel.ddp import apply_ddp
         model = apply_ddp(model, dims, cfg.parallel)
     return model

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from distlm.config import Config, ConfigError, to_yaml
 from distlm.data import DataError
@@ -21,6 +20,7 @@ from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
 from distlm.model.gpt import GPT, flops_per_token
 from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims, init_distributed, parallelize
+from distlm.parallel.comm import TorchComm
 from distlm.parallel.grad import clip_grad_norm, grad_sync
 from distlm.train import checkpoint as ckpt
 from distlm.train.faults import StopFlag, Watchdog, nonfinite_grads
@@ -92,7 +92,11 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, run_dir: str | Path | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device, int(__import__("os").environ.get("LOCAL_RANK", 0)))
+        if dims is None and cfg.parallel.engine == "horovod":
+            from distlm.parallel.horovod import init_horovod
+            dims = init_horovod(cfg.parallel, self.device.type)
         self.dims = dims or init_distributed(cfg.parallel, self.device.type)
+        self.comm = getattr(self.dims, "comm", None) or TorchComm(self.dims)
         self.amp_dtype = autocast_dtype(cfg, self.device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -123,21 +127,22 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, n)
         self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
         self.resumed_from = self._maybe_resume()
+        if cfg.parallel.engine == "horovod":  # after the resume: rank 0's state is broadcast
+            from distlm.parallel.horovod import wrap_optimizer
+            self.optimizer = wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps,
+                                            cfg.parallel.fp16_compression)
         self._write_run_files()
 
     # ---- set-up -------------------------------------------------------------------
     def _run_dir(self) -> Path:
         name = self.cfg.log.name or time.strftime("run-%Y%m%d-%H%M%S")
-        if self.dims.is_distributed and not self.cfg.log.name:
-            obj = [name]
-            dist.broadcast_object_list(obj, src=0)  # every rank must agree on the folder
-            name = obj[0]
+        if not self.cfg.log.name:
+            name = self.comm.broadcast_object(name)  # every rank must agree on the folder
         run_dir = Path(self.cfg.log.root) / name
         if run_dir.exists() and any(run_dir.iterdir()) and self.cfg.train.resume == "never":
             raise ConfigError(f"run directory {run_dir} already exists; pass train.resume=auto to continue it, "
                               f"or choose another log.name")
-        if self.dims.is_distributed:
-            dist.barrier()  # else rank 0 may create the folder before a slower rank has checked it
+        self.comm.barrier()  # else rank 0 may create the folder before a slower rank has checked it
         return run_dir
 
     def _build_loader(self) -> BatchLoader:
@@ -240,14 +245,18 @@ class Trainer:
             loss_sum += loss.detach()
         loss_mean = self._dp_mean(loss_sum)
         mark("forward_backward")
+        reduces_itself = hasattr(self.optimizer, "synchronize")  # Horovod: finish its allreduce first
+        if reduces_itself:
+            self.optimizer.synchronize()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         # grad_norm is global (reduced over every rank), so all ranks take the same branch.
         # The check reads two numbers on the host: one device sync per step (on_nan=off avoids it).
         if self.cfg.train.on_nan == "off" or (bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_mean))):
-            self.optimizer.step()
+            with self.optimizer.skip_synchronize() if reduces_itself else contextlib.nullcontext():
+                self.optimizer.step()
         else:
             self._on_nonfinite(float(loss_mean), float(grad_norm))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none, the default since torch 2.0 (Horovod takes no argument)
         mark("optimizer")
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
@@ -271,10 +280,7 @@ class Trainer:
             print(f"warning: {where}: step skipped ({self.nan_skips}/{self.cfg.train.max_nan_skips}){kept}")
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.dims.dp_size > 1:
-            value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dims.dp_mesh.get_group())
-        return value
+        return self.comm.mean(value)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -296,10 +302,16 @@ class Trainer:
             self.best_val, self.best_ckpt = val_loss, f"step_{self.step:07d}"
         meta = {"trainer": self.state_dict(), "config": self.cfg.to_dict(), "world_size": self.dims.world_size,
                 "val_loss": val_loss, "saved_at": time.time()}
+        horovod = self.cfg.parallel.engine == "horovod"
+        if horovod and not self.dims.is_main:
+            self.comm.barrier()  # Horovod replicas are identical: rank 0 writes the state alone
+            return root / f"step_{self.step:07d}"
         try:
             self.finish_pending_save()
             saved = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
-                                         async_save=self.cfg.train.async_checkpoint)
+                                         async_save=self.cfg.train.async_checkpoint and not horovod)
+            if horovod:
+                self.comm.barrier()
         except OSError as e:
             complete, _ = ckpt.list_checkpoints(root)
             msg = (f"cannot write checkpoint step_{self.step:07d} in {root}: {e.strerror or e}; "
@@ -415,8 +427,7 @@ class Trainer:
         if self.step % cfg.train.stop_check_every and not reason:
             return None
         # Ranks see signals and clocks at different moments; stop together or not at all.
-        flag = torch.tensor([1 if reason else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = self.comm.max(torch.tensor([1 if reason else 0], device=self.device))
         return (reason or "another rank asked to stop") if flag.item() else None
 
     def _console_line(self, r: dict) -> str:
