@@ -263,7 +263,8 @@ def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
         if "." not in key:
             raise ConfigError(f"override '{item}': key must be section.field{_suggest(key, SECTIONS)}")
         section, name = key.split(".", 1)
-        _apply(cfg, section, name, yaml.safe_load(value) if value else value)
+        # The raw string: the field's type converts it (YAML would read "off" as False).
+        _apply(cfg, section, name, value)
     validate(cfg)
     return cfg
 

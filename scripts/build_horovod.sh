@@ -42,7 +42,9 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   fi
   echo "building horovod 0.28.1 for $key (a few minutes) ..."
   mkdir -p "$wheel_dir"
-  env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+  # CMAKE_POLICY_VERSION_MINIMUM: CMake 4 refuses the bundled gloo's cmake_minimum_required(< 3.5).
+  # CXXFLAGS: GCC 13 no longer pulls <string>/<cstdint>/<stdexcept> in transitively; 0.28.1's headers relied on it.
+  env CMAKE_POLICY_VERSION_MINIMUM=3.5 CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
       HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" "${extra[@]}" \
       "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$wheel_dir"
 fi

@@ -226,7 +226,7 @@ class Attempt:
     plan: str  # "startup d" or "after step s + d"
     killed: bool = False
     phase: str = ""  # what the kill hit: startup / step / save / prune / finished
-    reached: int = 0  # last logged step when it died
+    reached: int = 0  # last step this attempt printed
     newest_after: int = 0  # newest complete checkpoint after it died
     torn_tmp: list[str] = field(default_factory=list)
     rc: Optional[int] = None
@@ -239,10 +239,10 @@ class Campaign:
     moments drawn from ``rng``, until ``min_kills`` kills are done; then let it finish.
 
     A kill is planned either from the launch ("startup": uniform over the measured
-    start-up time) or from the moment a chosen step's row appears in metrics.csv
-    (a few steps past the resume point) plus a uniform delay of up to ``after_s``; the
-    rows appear just before a save (every even step), so those delays cover the step,
-    the save (.tmp-step_* being written, renamed) and the prune that follows it.
+    start-up time) or from the moment the attempt prints a chosen step (a few steps
+    past the resume point; the line follows its metrics.csv row) plus a uniform delay of
+    up to ``after_s``; a save (every even step) starts right after that line, so the
+    delays cover the next step, the save (.tmp-step_* written, renamed) and the prune.
     """
     root: Path
     name: str
@@ -283,6 +283,7 @@ class Campaign:
                 plan = f"startup +{delay:.3f}s"
             else:
                 target, delay = start_step + self.rng.randint(*self.advance), self.rng.uniform(0.0, self.after_s)
+                target = max(start_step + 1, min(target, STEPS - 1))  # while kills are due, never the last step
                 plan = f"step {target} +{delay:.3f}s"
             a = Attempt(i, start_step, plan if kill else "run to the end")
             log = self.root / f"{self.name}.attempt{i:02d}.log"

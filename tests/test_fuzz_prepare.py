@@ -40,7 +40,7 @@ from hypothesis import strategies as st  # noqa: E402
 from distlm.data import DataError, load_manifest, verify_shards  # noqa: E402
 from distlm.data import prepare as prep  # noqa: E402
 
-MAX_EXAMPLES = 600
+MAX_EXAMPLES = 400
 
 text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=200)
 words = st.text(alphabet="abc xyz\n\t.é中🙂", max_size=120)
@@ -97,7 +97,7 @@ def one_file(draw) -> tuple[str, bytes]:
     if kind == "empty":
         return "empty.txt", draw(st.sampled_from([b"", b" ", b"\n\n\n", b"\t \r\n", b"\xef\xbb\xbf"]))
     if kind == "huge_line":
-        n = draw(st.integers(20_000, 300_000))
+        n = draw(st.integers(20_000, 200_000))
         return "huge.txt", (draw(st.sampled_from(["a", "ab ", "é", "🙂", " ", "x\u0301"])) * n)[:n].encode()
     if kind == "jsonl":
         return draw(st.sampled_from(["d.jsonl", "d.ndjson"])), draw(jsonl_bytes())
@@ -160,7 +160,7 @@ def case(draw) -> dict:
             "val_fraction": draw(st.sampled_from([0.0, 0.05, 0.05, 0.2, 0.2, 0.5, 0.99] * 3 + [1.0, -0.1])),
             "separator": draw(st.sampled_from([None, None, "\n", "\n\n", "é", "<|endoftext|>"])),
             "text_field": draw(st.sampled_from(["text", "text", "content"])),
-            "shard_tokens": draw(st.sampled_from([100_000_000, 7, 1])),
+            "shard_tokens": draw(st.sampled_from([100_000_000] * 3 + [50_000, 997])),  # many shards, not 10^5 files
             "old_data": draw(st.booleans())}
 
 
@@ -272,3 +272,20 @@ def test_hf_state_listing_a_missing_file_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match="missing.arrow"):
         prep.prepare([str(tmp_path / "in")], tmp_path / "out", workers=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="distlm bug: sources._walk / hf_arrow_files trust the "
+                   "types in dataset_dict.json and state.json ('splits' / '_data_files' / 'filename' not a list "
+                   "or str gives TypeError, not DataError)")
+@pytest.mark.parametrize("files", [
+    {"dataset_dict.json": b'{"splits": 5}', "a.txt": b"hello"},
+    {"dataset_dict.json": b'{"splits": [5]}', "a.txt": b"hello"},
+    {"ds/state.json": b'{"_data_files": 5}', "ds/x.arrow": b"zz"},
+    {"ds/state.json": b'{"_data_files": [{"filename": 5}]}', "ds/x.arrow": b"zz"},
+], ids=["splits-int", "splits-list-of-int", "data-files-int", "filename-int"])
+def test_hf_metadata_of_the_wrong_type_is_a_data_error(tmp_path, files):
+    for name, data in files.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(data)
+    with pytest.raises(DataError):
+        prep.prepare([str(tmp_path / "in")], tmp_path / "out", workers=1, progress=False)

@@ -49,7 +49,14 @@ TASK_CHARS = 1 << 19  # text per pool task: small enough to balance, big enough 
 def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fraction: float = 0.05,
             seed: int = 0, workers: int | None = None, separator: str | None = None, text_field: str = "text",
             shard_tokens: int = 100_000_000, progress: bool = True) -> dict:
-    """Tokenize ``inputs`` into ``out_dir``; returns the manifest (see the module docstring)."""
+    """Tokenize ``inputs`` (see ``distlm.data.sources``) into ``out_dir``; returns the manifest.
+
+    ``tokenizer``: "gpt2" or "bpe:N" (trained here on the train documents).
+    ``workers``: tokenizer processes; default all cores, or 1 below 1 MB of input.
+    ``separator``: split each file into documents on this string.
+    ``text_field``: the text column of JSONL / Parquet / Arrow inputs.
+    Raises DataError, naming the file, line or value, for anything wrong with them.
+    """
     inputs, out_dir = [str(i) for i in inputs], Path(out_dir)
     _check_options(tokenizer, val_fraction, seed, workers, shard_tokens)
     _recover_stale(out_dir)

@@ -132,6 +132,8 @@ def iter_documents(inputs: list[str], *, separator: str | None = None, text_fiel
                    stats: SourceStats | None = None, exclude: Path | None = None) -> Iterator[tuple[str, str]]:
     """Yield ``(source_id, text)`` for every non-empty document of ``inputs``, in order.
 
+    ``source_id`` is the file, ``archive:member``, ``file.jsonl:line`` or ``file:row``.
+
     Binary files are skipped and invalid UTF-8 replaced by U+FFFD, both counted in
     ``stats``. Raises DataError if nothing at all is left.
     """
@@ -248,7 +250,7 @@ def _jsonl_docs(label: str, fh: BinaryIO, field_name: str, stats: SourceStats) -
                 fixed = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
                 stats.replaced_chars += fixed.count("\ufffd") - text.count("\ufffd")
                 text, bad_utf8 = fixed, True
-        yield label, text
+        yield f"{label}:{lineno}", text
     stats.files_with_invalid_utf8 += bad_utf8
 
 
@@ -273,10 +275,12 @@ def _column(label: str, schema, field_name: str) -> int:
 
 
 def _batches_docs(label: str, batches, idx: int) -> Iterator[tuple[str, str]]:
+    row = 0
     for batch in batches:
         for text in batch.column(idx).to_pylist():
+            row += 1
             if text is not None:
-                yield label, text
+                yield f"{label}:{row}", text
 
 
 def _parquet_docs(label: str, fh: BinaryIO, field_name: str) -> Iterator[tuple[str, str]]:

@@ -90,20 +90,6 @@ class Tokenizer:
         return f"<Tokenizer {self.name} vocab={self.vocab_size} eos={self.eos_id}>"
 
 
-def _gpt2_files() -> dict[str, bytes]:
-    files = {}
-    for fname, want in GPT2_SHA256.items():
-        path = GPT2_DIR / fname
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"{path}: cannot read the vendored GPT-2 vocabulary ({e.strerror})") from None
-        if hashlib.sha256(data).hexdigest() != want:
-            raise DataError(f"{path}: sha256 differs from the vendored GPT-2 file; reinstall distlm")
-        files[fname] = data
-    return files
-
-
 def _gpt2_ranks(encoder_json: bytes) -> tuple[dict[bytes, int], int]:
     """encoder.json as tiktoken's merge ranks (token bytes -> id), and the id of <|endoftext|>.
 
@@ -125,10 +111,16 @@ class GPT2Tokenizer(Tokenizer):
     name, vocab_size, eos_id = "gpt2", 50257, 50256
 
     def __init__(self) -> None:
-        files = _gpt2_files()
-        digest = hashlib.sha256()
-        for fname in sorted(files):
-            digest.update(fname.encode() + b"\0" + hashlib.sha256(files[fname]).digest())
+        digest, files = hashlib.sha256(), {}
+        for fname, want in sorted(GPT2_SHA256.items()):
+            path = GPT2_DIR / fname
+            try:
+                files[fname] = path.read_bytes()
+            except OSError as e:
+                raise DataError(f"{path}: cannot read the vendored GPT-2 vocabulary ({e.strerror})") from None
+            if hashlib.sha256(files[fname]).hexdigest() != want:
+                raise DataError(f"{path}: sha256 differs from the vendored GPT-2 file; reinstall distlm")
+            digest.update(fname.encode() + b"\0" + bytes.fromhex(want))
         self._fingerprint, self._encoder_json, self._enc = digest.hexdigest(), files["encoder.json"], None
 
     @property
