@@ -290,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        _shutdown()
         return 2
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
+        _shutdown()
         return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -222,6 +222,7 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float, poll: float = 0.003) 
 @dataclass
 class Attempt:
     index: int
+    run: str
     resumed_from: int  # newest complete checkpoint when it started (0: none)
     plan: str  # "startup d" or "after step s + d"
     killed: bool = False
@@ -258,9 +259,15 @@ class Campaign:
     check_loads: bool = True
     attempts: list[Attempt] = field(default_factory=list)
 
+    victims: list[str] = field(default_factory=list)
+
     @property
     def run_dir(self) -> Path:
-        return self.root / self.name
+        return self.root / self.victims[-1] if self.victims else self.root / self.name
+
+    @property
+    def run_dirs(self) -> list[Path]:
+        return [self.root / v for v in self.victims]
 
     @property
     def kills(self) -> int:
@@ -271,11 +278,19 @@ class Campaign:
         return step_of(complete[-1]) if complete else 0
 
     def run(self) -> "Campaign":
-        cmd = train_cmd(self.root, self.name, "train.resume=auto", *self.extra, nproc=self.nproc)
+        """Victim runs until ``min_kills`` kills are done: normally one, but a fast machine
+        may finish a run before that, and then a fresh one takes the remaining kills."""
+        while not self.victims or self.kills < self.min_kills:
+            self.victims.append(self.name if not self.victims else f"{self.name}-{len(self.victims)}")
+            self._one_victim()
+        return self
+
+    def _one_victim(self) -> None:
+        cmd = train_cmd(self.root, self.victims[-1], "train.resume=auto", *self.extra, nproc=self.nproc)
         while True:
             i = len(self.attempts)
             if i >= self.max_attempts:
-                raise AssertionError(f"{self.name}: not finished after {i} attempts")
+                raise AssertionError(f"{self.victims[-1]}: not finished after {i} attempts")
             start_step = self._newest()
             kill = self.kills < self.min_kills
             if kill and self.rng.random() < self.startup_share:
@@ -285,13 +300,14 @@ class Campaign:
                 target, delay = start_step + self.rng.randint(*self.advance), self.rng.uniform(0.0, self.after_s)
                 target = max(start_step + 1, min(target, STEPS - 1))  # while kills are due, never the last step
                 plan = f"step {target} +{delay:.3f}s"
-            a = Attempt(i, start_step, plan if kill else "run to the end")
-            log = self.root / f"{self.name}.attempt{i:02d}.log"
+            a = Attempt(i, self.victims[-1], start_step, plan if kill else "run to the end")
+            log = self.root / f"{self.victims[-1]}.attempt{i:02d}.log"
             t0, wall0 = time.monotonic(), time.time()
             proc = launch(cmd, log)
             if kill:
-                if target is None:
-                    time.sleep(delay)
+                if target is None:  # a start-up kill: at the delay, or at the first step if that comes first
+                    wait_for(lambda: time.monotonic() - t0 >= delay or last_console_step(log) > 0, proc,
+                             timeout=delay + 1)
                 else:
                     wait_for(lambda: last_console_step(log) >= target, proc, timeout=120)
                     time.sleep(delay)
@@ -306,9 +322,9 @@ class Campaign:
             if not a.killed:
                 out = log.read_text()
                 if a.rc != 0:
-                    raise AssertionError(f"{self.name} attempt {i} failed (rc {a.rc}):\n{out[-3000:]}")
+                    raise AssertionError(f"{self.victims[-1]} attempt {i} failed (rc {a.rc}):\n{out[-3000:]}")
                 if f"done: step {STEPS}" in out:
-                    return self
+                    return
 
     def _inspect(self, a: Attempt, log: Path, wall0: float) -> None:
         """What the attempt left: which phase it died in, and that nothing broke."""
@@ -348,10 +364,10 @@ class Campaign:
         phases = {}
         for a in killed:
             phases[a.phase] = phases.get(a.phase, 0) + 1
-        return {"run": self.name, "ranks": self.nproc, "attempts": len(self.attempts), "kills": len(killed),
+        return {"runs": self.victims, "ranks": self.nproc, "attempts": len(self.attempts), "kills": len(killed),
                 "mid_save_kills": sum(bool(a.torn_tmp) for a in killed), "resumes": len(self.attempts) - 1,
                 "resumes_from_checkpoint": sum(a.resumed_from > 0 for a in self.attempts),
                 "phases": phases, "seconds": round(sum(a.seconds for a in self.attempts), 1),
-                "plan": [f"{a.plan} -> {a.phase} (resumed {a.resumed_from}, reached {a.reached}, "
+                "plan": [f"{a.run}: {a.plan} -> {a.phase} (resumed {a.resumed_from}, reached {a.reached}, "
                          f"newest {a.newest_after}{', torn ' + ','.join(a.torn_tmp) if a.torn_tmp else ''})"
                          for a in self.attempts]}

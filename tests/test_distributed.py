@@ -2,10 +2,13 @@
 
 Every parallel run trains on the same global batches as one process (the loader is a
 pure function of (seed, step, global batch)), so per-step losses and grad norms must
-match the reference to fp32 rounding. Launches are few and fat: one 4-rank torchrun runs
-five jobs (FSDP2 ZeRO-3 and ZeRO-2, HSDP 2x2, DDP, DDP with accumulation), one 2-rank
-torchrun runs fresh and resumed jobs across layouts, and one two-"node" c10d launch goes
-through the real CLI. ``make test`` runs them; about a minute on two cores.
+match the reference to fp32 rounding. Launches are few and fat (tests/dist_worker.py runs
+several Trainer jobs per torchrun): one 4-rank launch runs FSDP2 ZeRO-3 and ZeRO-2 (with
+accumulation), HSDP 2x2, DDP and DDP with accumulation, saving at step 3; one 2-rank launch
+with --max_restarts 1 runs a crash-and-restart, fresh FSDP2/DDP/CPU-offload jobs and
+resumes from the 4-rank checkpoints across layouts (FSDP->FSDP, FSDP->DDP, DDP->FSDP);
+the pytest process itself resumes 4-rank FSDP on one process; a two-"node" c10d launch
+goes through the real CLI. About 50 s on two cores (more when the box is loaded).
 """
 from __future__ import annotations
 

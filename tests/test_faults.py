@@ -104,23 +104,26 @@ def test_kill9_anywhere_resumes_bit_exact(reference, summary_file, tmp_path):
     after = max(0.01, 3 * reference.step_s)  # past a chosen step's row: the step, its save, its prune
 
     one = fh.Campaign(tmp_path, "victim", rng, startup_s=reference.startup_s, after_s=after, min_kills=16).run()
-    assert fh.metric_rows(one.run_dir) == reference.rows, "resumed run differs from the uninterrupted one"
+    for run_dir in one.run_dirs:
+        assert fh.metric_rows(run_dir) == reference.rows, f"{run_dir.name} differs from the uninterrupted run"
     c1 = one.counts()
 
     # Two ranks (DDP over gloo), the whole torchrun tree killed each time. The loader
     # deals the same global batch to 1 or 2 ranks, so it must match the 1-process run.
     two = fh.Campaign(tmp_path, "victim2", rng, startup_s=2.5 * reference.startup_s, after_s=after,
                       min_kills=5, nproc=2, startup_share=0.15, advance=(2, 6)).run()
-    rows2 = fh.metric_rows(two.run_dir)
-    assert [r[0] for r in rows2] == [r[0] for r in reference.rows]
-    for got, ref in zip(rows2, reference.rows):
-        assert got[3] == ref[3], f"lr at step {got[0]}"
-        assert close(got[1], ref[1]) and close(got[2], ref[2]), f"2-rank step {got[0]}: {got} vs {ref}"
-    c2 = two.counts()
-    c2["bit_exact_vs_1_process"] = rows2 == reference.rows
+    c2, exact = two.counts(), True
+    for run_dir in two.run_dirs:
+        rows2 = fh.metric_rows(run_dir)
+        assert [r[0] for r in rows2] == [r[0] for r in reference.rows]
+        for got, ref in zip(rows2, reference.rows):
+            assert got[3] == ref[3], f"lr at step {got[0]}"
+            assert close(got[1], ref[1]) and close(got[2], ref[2]), f"2-rank step {got[0]}: {got} vs {ref}"
+        exact = exact and rows2 == reference.rows
+    c2["bit_exact_vs_1_process"] = exact
 
-    for c in (one, two):  # what is left at the end: complete checkpoints that load, newest = the end
-        complete, torn = fh.checkpoints(c.run_dir)
+    for run_dir in one.run_dirs + two.run_dirs:  # what is left: complete checkpoints that load, the last one's
+        complete, torn = fh.checkpoints(run_dir)
         assert complete and fh.step_of(complete[-1]) == fh.STEPS
         assert not any(p.name.startswith(".tmp-") for p in torn), "the finished run left a .tmp-step_* folder"
         for p in complete:
@@ -134,7 +137,7 @@ def test_kill9_anywhere_resumes_bit_exact(reference, summary_file, tmp_path):
           f"{c1['seconds'] + c2['seconds']:.0f} s")
     assert c1["kills"] >= 15 and c2["kills"] >= 5 and kills >= 20
     assert c1["phases"].get("startup", 0) >= 1 and c1["phases"].get("save", 0) >= 1, c1["phases"]
-    assert c1["resumes_from_checkpoint"] >= 10 and c2["resumes_from_checkpoint"] >= 2, (c1, c2)
+    assert c1["resumes_from_checkpoint"] >= 10 and c2["resumes_from_checkpoint"] >= 1, (c1, c2)
 
 
 # ---- 2. SIGTERM / SIGINT -------------------------------------------------------------
@@ -623,9 +626,10 @@ def test_async_checkpoint_holds_the_state_at_the_save(tmp_path):
 @pytest.mark.dist
 def test_async_checkpoint_kill9_resumes_bit_exact(reference, summary_file, tmp_path):
     rng = random.Random(KILL_SEED + 1)
-    c = fh.Campaign(tmp_path, "async", rng, startup_s=reference.startup_s, after_s=max(0.06, 3 * reference.step_s),
+    c = fh.Campaign(tmp_path, "async", rng, startup_s=reference.startup_s, after_s=max(0.01, 3 * reference.step_s),
                     min_kills=4, extra=("train.async_checkpoint=true",), startup_share=0.0).run()
-    assert fh.metric_rows(c.run_dir) == reference.rows
+    for run_dir in c.run_dirs:
+        assert fh.metric_rows(run_dir) == reference.rows
     counts = c.counts()
     SUMMARY["async_kill9"] = counts
     print(f"\nasync kill -9: {counts['kills']} kills, {counts['mid_save_kills']} mid-save, "

@@ -20,11 +20,16 @@ def grad_sync(model: nn.Module, enabled: bool):
         with model.no_sync():
             yield
     elif hasattr(model, "set_requires_gradient_sync"):
+        # Also keep the parameters unsharded after this backward: the next micro-step's
+        # forward needs them again, and resharding would all-gather every block twice more.
+        # The update micro-step (reshard on) puts them back to shards.
         model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
     else:
         yield
 
