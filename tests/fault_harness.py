@@ -292,6 +292,7 @@ class Campaign:
             if i >= self.max_attempts:
                 raise AssertionError(f"{self.victims[-1]}: not finished after {i} attempts")
             start_step = self._newest()
+            torn_before = checkpoints(self.run_dir)[1]
             kill = self.kills < self.min_kills
             if kill and self.rng.random() < self.startup_share:
                 delay, target = self.rng.uniform(0.0, self.startup_s), None
@@ -317,7 +318,7 @@ class Campaign:
             if not a.killed:
                 a.rc = proc.wait(timeout=240)
             a.seconds = time.monotonic() - t0
-            self._inspect(a, log, wall0)
+            self._inspect(a, log, wall0, torn_before)
             self.attempts.append(a)
             if not a.killed:
                 out = log.read_text()
@@ -326,9 +327,12 @@ class Campaign:
                 if f"done: step {STEPS}" in out:
                     return
 
-    def _inspect(self, a: Attempt, log: Path, wall0: float) -> None:
+    def _inspect(self, a: Attempt, log: Path, wall0: float, torn_before: list[Path]) -> None:
         """What the attempt left: which phase it died in, and that nothing broke."""
         text = log.read_text(errors="replace")
+        if "resumed from" in text or "starting from step 0" in text:  # it got past choosing a checkpoint
+            for p in torn_before:  # and said which torn folders it skipped
+                assert f"resume: skipping incomplete checkpoint {p} (no distlm.json)" in text, (p, text[-2000:])
         # No lost work: an attempt starts from the newest complete checkpoint there was.
         m = re.search(r"resumed from (\S+) \(step (\d+),", text)
         if m:

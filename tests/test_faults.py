@@ -111,7 +111,7 @@ def test_kill9_anywhere_resumes_bit_exact(reference, summary_file, tmp_path):
     # Two ranks (DDP over gloo), the whole torchrun tree killed each time. The loader
     # deals the same global batch to 1 or 2 ranks, so it must match the 1-process run.
     two = fh.Campaign(tmp_path, "victim2", rng, startup_s=2.5 * reference.startup_s, after_s=after,
-                      min_kills=5, nproc=2, startup_share=0.15, advance=(2, 6)).run()
+                      min_kills=5, nproc=2, startup_share=0.15, advance=(3, 7)).run()
     c2, exact = two.counts(), True
     for run_dir in two.run_dirs:
         rows2 = fh.metric_rows(run_dir)

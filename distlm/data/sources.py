@@ -217,7 +217,10 @@ def decode_text(label: str, data: bytes, stats: SourceStats) -> str | None:
         # U+FFFD already present in the file is not a replacement: "ignore" keeps only those.
         stats.replaced_chars += text.count("\ufffd") - data.decode("utf-8", "ignore").count("\ufffd")
         stats.files_with_invalid_utf8 += 1
-    return text[1:] if text.startswith("\ufeff") else text
+    text = text[1:] if text.startswith("\ufeff") else text
+    # Windows line ends (the Gutenberg files have them) would otherwise cost a token per
+    # line and come back as stray '\r' in generated text.
+    return text.replace("\r\n", "\n")
 
 
 def _jsonl_docs(label: str, fh: BinaryIO, field_name: str, stats: SourceStats) -> Iterator[tuple[str, str]]:
