@@ -48,8 +48,8 @@ def run_demo(args) -> int:
     print("[4/5] samples (temperature 0.8, top-k 50):")
     tok = __import__("distlm.data.tokenizer", fromlist=["x"]).load_tokenizer(
         trainer.manifest["tokenizer"]["name"], data_dir)
-    sc = SamplingConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=0)
-    for prompt in ("It was a dark and stormy night", "The king said", "Call me Ishmael."):
+    for i, prompt in enumerate(("It was a dark and stormy night", "The king said", "Call me Ishmael.")):
+        sc = SamplingConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=i)
         text = generate_text(trainer.gpt, tok, prompt, sc)[0]
         print(f"  >> {prompt}{text}".replace("\n", " "))
     run_dir = Path(summary["run_dir"])

@@ -211,7 +211,7 @@ def test_second_ctrl_c_interrupts_at_once(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
             seen.append(time.monotonic())  # the handler has run by the next bytecode
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
+            time.sleep(0.2)
         return out
     t.train_step = step
     before = signal.getsignal(signal.SIGINT)
@@ -403,6 +403,47 @@ def test_failed_save_cleans_its_tmp_folder(tmp_path, monkeypatch):
     t.train()
     _, torn = fh.checkpoints(tmp_path / "tmpleft")
     assert torn == []
+
+
+def fail_async_saves(monkeypatch, fail_on: set[int]) -> list[int]:
+    """dcp.async_save's background write fails (ENOSPC) on the given calls."""
+    from concurrent.futures import Future
+    real, calls = ckpt.dcp.async_save, []
+
+    def async_save(*a, **k):
+        calls.append(len(calls) + 1)
+        if calls[-1] in fail_on:
+            failed = Future()
+            failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+            return failed
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt.dcp, "async_save", async_save)
+    return calls
+
+
+@pytest.mark.xfail(strict=True, reason="distlm bug: a failed async save surfaces in the next save's "
+                   "finish_pending_save, inside that save's try: the warning names the next step, and the next "
+                   "checkpoint is not written either (Trainer.save)")
+def test_async_save_error_names_its_step_and_the_next_save_happens(tmp_path, monkeypatch, capsys):
+    t = make_trainer(tmp_path, "asyncfail", "train.max_steps=8", "train.checkpoint_every=2", "train.keep_last=10",
+                     "train.async_checkpoint=true", "train.on_save_error=continue")
+    fail_async_saves(monkeypatch, {2})  # step 4's background write
+    t.train()
+    out = capsys.readouterr().out
+    assert "cannot write checkpoint step_0000004" in out, out
+    assert [p.name for p in fh.checkpoints(tmp_path / "asyncfail")[0]] == ["step_0000002", "step_0000006",
+                                                                            "step_0000008"]
+
+
+@pytest.mark.xfail(strict=True, raises=OSError, reason="distlm bug: train() finishes the last async save "
+                   "outside Trainer.save's error handling: its OSError escapes raw (exit 1, a traceback) "
+                   "whatever train.on_save_error says")
+def test_async_final_save_error_follows_on_save_error(tmp_path, monkeypatch):
+    t = make_trainer(tmp_path, "asyncend", "train.max_steps=4", "train.checkpoint_every=2",
+                     "train.async_checkpoint=true", "train.on_save_error=stop")
+    fail_async_saves(monkeypatch, {3})  # steps 2, 4, then the end-of-run save of step 4
+    with pytest.raises(TrainingStopped, match="No space left on device"):
+        t.train()
 
 
 def test_torn_newest_checkpoint_is_skipped_on_resume(tmp_path, capsys):
