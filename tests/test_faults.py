@@ -631,7 +631,7 @@ def test_byte_entry_that_runs_code_is_refused(one_checkpoint, tmp_path):
     fh.load_into_fresh(bad)
     model_sd, optim_sd = get_state_dict(model, opt)
     optim_sd["param_groups"][0]["lr"] = _Evil(pwned)
-    for p in bad.glob("*.distcp"):
+    for p in [*bad.glob("*.distcp"), bad / ".metadata"]:
         p.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(bad))
     try:

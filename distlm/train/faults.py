@@ -2,17 +2,19 @@
 
 - SIGTERM / SIGINT (SLURM preemption, Ctrl-C) only set a flag; the loop finishes the
   current step, saves, and exits 0. A second Ctrl-C interrupts at once.
-- The watchdog is faulthandler's timer, re-armed after every step: if a rank makes no
-  progress for ``train.watchdog_s`` it prints every thread's Python stack to stderr
-  (torchrun prefixes each line with the rank) and exits, so a hung collective ends
-  with the place each rank stood instead of waiting forever.
+- The watchdog is re-armed after every step: if a rank makes no progress for
+  ``train.watchdog_s`` it prints its rank, its last step and every thread's Python stack
+  to stderr and exits, so a hung collective ends with the place each rank stood instead
+  of waiting forever.
 """
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -39,17 +41,58 @@ class StopFlag:
 
 
 class Watchdog:
+    """Re-armed after every step. If a rank makes no progress for ``seconds``, a monitor
+    thread writes which rank and step it is, then every thread's Python stack, and exits
+    (code 124) so torchrun tears the job down. faulthandler's C timer at twice the
+    limit backs it up for a main thread that holds the GIL and starves the monitor."""
+
     def __init__(self, seconds: float, rank: int):
         self.seconds, self.rank = seconds, rank
+        self._deadline = None
+        self._step = 0
+        self._lock = threading.Condition()
+        self._thread = None
+
+    def _stream(self):
+        return sys.__stderr__ or sys.stderr
 
     def arm(self, step: int):
-        if self.seconds > 0:
-            faulthandler.cancel_dump_traceback_later()
-            faulthandler.dump_traceback_later(self.seconds, repeat=False, file=sys.__stderr__ or sys.stderr, exit=True)
+        if self.seconds <= 0:
+            return
+        with self._lock:
+            self._deadline, self._step = time.monotonic() + self.seconds, step
+            self._lock.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="distlm-watchdog", daemon=True)
+            self._thread.start()
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.dump_traceback_later(2 * self.seconds, repeat=False, file=self._stream(), exit=True)
 
     def disarm(self):
-        if self.seconds > 0:
-            faulthandler.cancel_dump_traceback_later()
+        if self.seconds <= 0:
+            return
+        with self._lock:
+            self._deadline = None
+            self._lock.notify()
+        faulthandler.cancel_dump_traceback_later()
+
+    def _watch(self):
+        with self._lock:
+            while True:
+                if self._deadline is None:
+                    self._lock.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._lock.wait(left)
+                    continue
+                out = self._stream()
+                out.write(f"\nwatchdog: rank {self.rank} made no progress for {self.seconds:g} s after step "
+                          f"{self._step} (train.watchdog_s); Python stacks of rank {self.rank}:\n")
+                out.flush()
+                faulthandler.dump_traceback(file=out, all_threads=True)
+                out.flush()
+                os._exit(124)
 
     def banner(self) -> str:
         return (f"watchdog: a rank with no progress for {self.seconds:g} s prints its Python stack and exits "
