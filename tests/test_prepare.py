@@ -344,3 +344,26 @@ def test_a_folder_with_only_train_bin_is_text(tmp_path):
     m = run([folder], tmp_path / "out")
     assert m["split_method"] == "document-hash" and m["stats"]["skipped_binary"] == 1
     assert m["stats"]["binary_examples"] == [str(folder / "model_train.bin")]
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"d.jsonl": '{"text": "ok"}\n' + "[" * 100_000 + "\n"}, r"d\.jsonl:2: invalid JSON"),
+    ({"ds/state.json": '{"_data_files": [{"filename": "gone.arrow"}]}', "ds/x.arrow": ""}, r"gone\.arrow: listed in"),
+    ({"ds/state.json": '{"_data_files": [{"filename": 5}]}', "ds/x.arrow": ""}, r"state\.json: '_data_files'"),
+    ({"dataset_dict.json": '{"splits": 5}', "a.txt": "hello"}, r"dataset_dict\.json: 'splits'"),
+    ({"ds/state.json": "{}", "ds/x.arrow": "\0\0\0\x80"}, r"x\.arrow: not a readable Arrow file"),
+])
+def test_malformed_structured_inputs_fail_cleanly(tmp_path, files, message):
+    for name, data in files.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text(data)
+    if "arrow" in message:
+        pytest.importorskip("pyarrow")
+    with pytest.raises(DataError, match=message):
+        run([tmp_path / "in"], tmp_path / "out")
+    assert_clean(tmp_path / "out")
+
+
+def test_data_error_messages_are_one_line():
+    assert str(DataError("x.parquet: broken (pyarrow says:\nline two\r\n  three)")) == \
+        "x.parquet: broken (pyarrow says: line two three)"

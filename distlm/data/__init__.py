@@ -22,6 +22,11 @@ class DataError(ValueError):
     prints it as ``error: <message>`` and exits with status 2.
     """
 
+    def __init__(self, message: str) -> None:
+        # Messages quote other libraries' errors (pyarrow's span lines): keep the promise of one line.
+        super().__init__(" ".join(str(message).split()) if "\n" in str(message) or "\r" in str(message)
+                         else message)
+
 
 def read_json(path: Path) -> dict | None:
     """A JSON object from ``path``, or None if it is missing or not one."""

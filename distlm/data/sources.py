@@ -98,6 +98,8 @@ def _walk(folder: Path, skip: Path | None) -> list[Source]:
     splits = folder / "dataset_dict.json"
     if splits.is_file():  # a DatasetDict: each split is a dataset folder
         names = (read_json(splits) or {}).get("splits", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise DataError(f"{splits}: 'splits' is not a list of folder names")
         return [Source(str(folder / s), folder / s, "hf") for s in names if _is_hf_dataset(folder / s)]
     out: list[Source] = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
@@ -116,9 +118,16 @@ def _is_hf_dataset(folder: Path) -> bool:
 
 def hf_arrow_files(folder: Path) -> list[Path]:
     """A save_to_disk folder's Arrow files, in the order its state.json lists them."""
-    listed = (read_json(folder / "state.json") or {}).get("_data_files") or []
-    names = [d["filename"] for d in listed if isinstance(d, dict) and "filename" in d]
-    return [folder / n for n in names] if names else sorted(folder.glob("*.arrow"))
+    state = folder / "state.json"
+    listed = (read_json(state) or {}).get("_data_files") or []
+    if not isinstance(listed, list) or not all(isinstance(d, dict) and isinstance(d.get("filename"), str)
+                                               for d in listed):
+        raise DataError(f"{state}: '_data_files' is not a list of {{\"filename\": ...}} entries")
+    paths = [folder / d["filename"] for d in listed] or sorted(folder.glob("*.arrow"))
+    for path in paths:
+        if not path.is_file():
+            raise DataError(f"{path}: listed in {state} but missing")
+    return paths
 
 
 def source_files(source: Source) -> list[Path]:
@@ -236,8 +245,8 @@ def _jsonl_docs(label: str, fh: BinaryIO, field_name: str, stats: SourceStats) -
             bad_utf8 = True
         try:
             record = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"{label}:{lineno}: invalid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: nested thousands deep
+            raise DataError(f"{label}:{lineno}: invalid JSON ({type(e).__name__}: {e})") from None
         if not isinstance(record, dict) or field_name not in record:
             keys = ", ".join(list(map(str, record))[:10]) if isinstance(record, dict) else type(record).__name__
             raise DataError(f"{label}:{lineno}: no {field_name!r} field (found: {keys}); see --text-field")
@@ -293,7 +302,7 @@ def _parquet_docs(label: str, fh: BinaryIO, field_name: str) -> Iterator[tuple[s
         pf = pa.parquet.ParquetFile(source)
         _column(label, pf.schema_arrow, field_name)
         yield from _batches_docs(label, pf.iter_batches(batch_size=1024, columns=[field_name]), 0)
-    except pa.ArrowException as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # damage shows as any of these
         raise DataError(f"{label}: not a readable Parquet file ({e})") from None
 
 
@@ -310,15 +319,13 @@ def _arrow_docs(label: str, fh, field_name: str) -> Iterator[tuple[str, str]]:
             reader = pa.ipc.open_file(fh)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         yield from _batches_docs(label, batches, _column(label, reader.schema, field_name))
-    except pa.ArrowException as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         raise DataError(f"{label}: not a readable Arrow file ({e})") from None
 
 
 def _hf_docs(src: Source, field_name: str, stats: SourceStats) -> Iterator[tuple[str, str]]:
     pa = _pyarrow(str(src.path))
     for path in hf_arrow_files(src.path):
-        if not path.is_file():
-            raise DataError(f"{path}: listed in {src.path / 'state.json'} but missing")
         stats.files += 1
         with pa.memory_map(str(path)) as mapped:  # shards of big datasets: map, do not read
             yield from _arrow_docs(str(path), mapped, field_name)

@@ -153,7 +153,9 @@ class Trainer:
                 from distlm.data.prepare import verify_shards
                 verify_shards(self.data_dir, self.manifest)
             blocks = TokenBlocks(self.data_dir, "train", m.block_size, self.manifest)
-            self.val_blocks = TokenBlocks(self.data_dir, "val", m.block_size, self.manifest)
+            # A data set prepared with --val-fraction 0 has no val split: train without evaluation.
+            has_val = int(self.manifest["splits"].get("val", {}).get("tokens", 0)) > 0
+            self.val_blocks = TokenBlocks(self.data_dir, "val", m.block_size, self.manifest) if has_val else None
         else:
             self.val_blocks = None
         return BatchLoader(blocks, seed=t.seed, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
