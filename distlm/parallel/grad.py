@@ -61,8 +61,11 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         norms.append(n.float())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
     if max_norm > 0:
+        # A NaN norm would turn every gradient into NaN and hide which tensor went bad;
+        # as +inf it scales them by zero instead (the step is skipped anyway).
+        safe = torch.nan_to_num(total, nan=float("inf"))
         for mesh, ps in groups.items():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, safe, foreach=True)
     return total
 
 

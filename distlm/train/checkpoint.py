@@ -82,22 +82,35 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         # written by a background thread while training goes on.
         future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step})
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    _finalize(ckpt_root, tmp, final, {**meta, "step": step})
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        _finalize(ckpt_root, tmp, final, {**meta, "step": step})
+    except BaseException:
+        discard(tmp)
+        raise
     return final
+
+
+def discard(tmp: Path) -> None:
+    """Remove a save that failed half-way (a full disk keeps no partial files)."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict) -> None:
     _barrier()  # every rank's files are on disk before the marker says so
     if _rank() == 0:
-        atomic_write_text(tmp / MARKER, json.dumps({**meta, "complete": True}, indent=1))
-        trash = ckpt_root / f".old-{final.name}"
-        if final.exists():  # re-saving a step: move the old one aside first, never delete before
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(final, trash)
-        os.replace(tmp, final)
+        if (final / MARKER).is_file():
+            # This step is already saved whole, and a step's state is the same whoever saves
+            # it: keep that folder (no window without it) and refresh only its metadata.
+            atomic_write_text(final / MARKER, json.dumps({**meta, "complete": True}, indent=1))
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            atomic_write_text(tmp / MARKER, json.dumps({**meta, "complete": True}, indent=1))
+            if final.exists():  # a torn folder of this step (no marker): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         _fsync_dir(ckpt_root)
-        shutil.rmtree(trash, ignore_errors=True)
     _barrier()
 
 
@@ -106,8 +119,12 @@ class PendingSave:
         self.future, self.ckpt_root, self.tmp, self.final, self.meta = future, ckpt_root, tmp, final, meta
 
     def finish(self) -> Path:
-        self.future.result()
-        _finalize(self.ckpt_root, self.tmp, self.final, self.meta)
+        try:
+            self.future.result()
+            _finalize(self.ckpt_root, self.tmp, self.final, self.meta)
+        except BaseException:
+            discard(self.tmp)
+            raise
         return self.final
 
 

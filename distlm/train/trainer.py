@@ -299,42 +299,53 @@ class Trainer:
         return float(self._dp_mean(total / max(1, len(batches))))
 
     def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
+        """A checkpoint of this step (collective). A write error stops training or, with
+        train.on_save_error=continue, is reported and training goes on."""
         root = self.run_dir / "checkpoints"
         if val_loss is not None and math.isfinite(val_loss) and (self.best_val is None or val_loss < self.best_val):
             self.best_val, self.best_ckpt = val_loss, f"step_{self.step:07d}"
         meta = {"trainer": self.state_dict(), "config": self.cfg.to_dict(), "world_size": self.dims.world_size,
                 "val_loss": val_loss, "saved_at": time.time()}
+        self.finish_pending_save()  # an earlier background save reports its own errors, with its own step
         horovod = self.cfg.parallel.engine == "horovod"
         if horovod and not self.dims.is_main:
             self.comm.barrier()  # Horovod replicas are identical: rank 0 writes the state alone
             return root / f"step_{self.step:07d}"
         try:
-            self.finish_pending_save()
             saved = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
                                          async_save=self.cfg.train.async_checkpoint and not horovod)
             if horovod:
                 self.comm.barrier()
         except OSError as e:
-            complete, _ = ckpt.list_checkpoints(root)
-            msg = (f"cannot write checkpoint step_{self.step:07d} in {root}: {e.strerror or e}; "
-                   f"{'the previous checkpoint ' + str(complete[-1]) + ' is intact' if complete else 'no earlier checkpoint'}")
-            if self.cfg.train.on_save_error == "stop":
-                raise TrainingStopped(msg + " (train.on_save_error=stop)") from None
-            if self.dims.is_main:
-                print(f"warning: {msg}; training goes on (train.on_save_error=continue)")
+            self._save_failed(self.step, e)
             return None
+        self._last_saved_step = self.step
         if isinstance(saved, ckpt.PendingSave):
             self._pending = saved
             return saved.final
         self._prune()
         return saved
 
+    def _save_failed(self, step: int, e: OSError) -> None:
+        complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
+        msg = (f"cannot write checkpoint step_{step:07d} in {self.run_dir / 'checkpoints'}: {e.strerror or e}; "
+               f"{'the previous checkpoint ' + str(complete[-1]) + ' is intact' if complete else 'no earlier checkpoint'}")
+        if self.cfg.train.on_save_error == "stop":
+            raise TrainingStopped(msg + " (train.on_save_error=stop)") from None
+        if self.dims.is_main:
+            print(f"warning: {msg}; training goes on (train.on_save_error=continue)")
+
     def finish_pending_save(self) -> None:
         """Complete a background save (collective); only then does it count as a checkpoint."""
         pending, self._pending = getattr(self, "_pending", None), None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             pending.finish()
-            self._prune()
+        except OSError as e:
+            self._save_failed(int(pending.meta["step"]), e)
+            return
+        self._prune()
 
     def _prune(self) -> None:
         if self.dims.is_main:
@@ -385,7 +396,12 @@ class Trainer:
             last_val = self.evaluate()
             logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,
                                    "val_ppl": math.exp(min(last_val, 50))})
-        final = self.save(last_val if not stopped else None)
+        # The last step may have been saved by checkpoint_every already: saving it again
+        # would move a complete checkpoint aside for a moment, for nothing.
+        if getattr(self, "_last_saved_step", None) == self.step:
+            final = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
+        else:
+            final = self.save(last_val if not stopped else None)
         self.finish_pending_save()
         logger.close()
         if bar is not None:
