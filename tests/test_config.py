@@ -19,7 +19,7 @@ def test_overrides_and_model_preset_swap():
     cfg = load_config("tiny", ["model=gpt2-124m", "train.max_steps=7", "train.lr=1e-3", "model.bias=false"])
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.bias) == (12, 768, False)
     assert cfg.train.max_steps == 7 and cfg.train.lr == 1e-3
-    assert cfg.train.global_batch_size == 32  # from tiny, untouched by the model swap
+    assert cfg.train.global_batch_size == 16  # from tiny, untouched by the model swap
 
 
 @pytest.mark.parametrize("overrides,needle", [

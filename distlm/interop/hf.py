@@ -116,11 +116,11 @@ def hf_config(arch: str, cfg: ModelConfig, eos_id: int, dtype: str = "fp32") -> 
 
 def hf_state_dict(model, arch: str, dtype: str = "fp32") -> dict[str, torch.Tensor]:
     """The distlm model's weights under HF names, vocabulary padding cut off."""
-    from distlm.model.gpt import sinusoid_table
+    from distlm.model.gpt import sinusoid_scale, sinusoid_table
     cfg = model.cfg
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if cfg.position == "sinusoidal":  # GPT-2's learned table holding the fixed sinusoid is exact
-        sd["pos_emb.weight"] = sinusoid_table(cfg.block_size, cfg.d_model)
+        sd["pos_emb.weight"] = sinusoid_table(cfg.block_size, cfg.d_model) * sinusoid_scale(cfg)
     out = {}
     for hf, ours, conv, vocab in weight_pairs(arch, cfg):
         parts = []
