@@ -593,21 +593,18 @@ def test_rng_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
     assert not pwned.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="distlm gap: DCP reads .metadata with plain pickle.load "
-                   "(pytorch/pytorch#189308); checkpoint.py should read it with an allow-listed unpickler")
 def test_metadata_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
     bad = tmp_path / "ck"
     shutil.copytree(one_checkpoint, bad)
     pwned = tmp_path / "pwned"
     import pickle
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil(pwned)))
-    with pytest.raises(Exception):
+    from distlm.train.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="unreadable checkpoint metadata"):
         fh.load_into_fresh(bad)
     assert not pwned.exists(), "loading the checkpoint ran code from its .metadata"
 
 
-@pytest.mark.xfail(strict=True, reason="distlm gap: DCP loads non-tensor entries (optimizer param_groups) "
-                   "with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes)")
 def test_byte_entry_that_runs_code_is_refused(one_checkpoint, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -621,10 +618,9 @@ def test_byte_entry_that_runs_code_is_refused(one_checkpoint, tmp_path):
     for p in [*bad.glob("*.distcp"), bad / ".metadata"]:
         p.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(bad))
-    try:
+    from distlm.train.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="cannot load this checkpoint"):
         fh.load_into_fresh(bad)
-    except Exception:
-        pass
     assert not pwned.exists(), "loading the checkpoint ran code from an optimizer entry"
 
 

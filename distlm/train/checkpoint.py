@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
+
+from distlm.train.safe_dcp import SafeReader, safe_load  # noqa: E402
 
 MARKER = "distlm.json"
 # DCP warns on every single-process save/load; one process is a supported layout here.
@@ -161,7 +164,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def _check_shapes(ckpt: Path, prefix: str, state: dict) -> None:
-    md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    try:
+        md = SafeReader(str(ckpt)).read_metadata().state_dict_metadata
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+        raise CheckpointError(f"{ckpt}: unreadable checkpoint metadata ({str(e).splitlines()[0][:200]})") from None
     for key, value in state.items():
         full = f"{prefix}.{key}"
         if full not in md:
@@ -179,13 +185,13 @@ def load_checkpoint(ckpt: Path, model, optimizer=None) -> dict:
         opts = StateDictOptions()
         model_sd = get_state_dict(model, [], options=opts)[0]
         _check_shapes(ckpt, "model", model_sd)
-        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt))
+        safe_load({"model": model_sd}, ckpt)
         set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
         return meta
     model_sd, optim_sd = get_state_dict(model, optimizer)
     _check_shapes(ckpt, "model", model_sd)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    safe_load(state, ckpt)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = Path(ckpt) / "rng" / f"rank_{_rank():05d}.pt"
     if rng_file.is_file():  # a new rank (resumed on more ranks) keeps its seeded RNG
