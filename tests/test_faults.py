@@ -550,9 +550,6 @@ def test_manifest_vocab_larger_than_model_exits_2_naming_field(data_copy, tmp_pa
     assert err[0].startswith("error: model.vocab_size=50304") and "60000" in err[0] and "manifest.json" in err[0]
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason="distlm gap: token ids are never checked against the "
-                   "vocabulary; a shard whose checksum matches but holds ids >= vocab_size ends in an IndexError "
-                   "traceback (a device-side assert on CUDA) instead of exit 2 naming the shard")
 def test_token_outside_vocabulary_exits_2_naming_the_shard(data_copy, tmp_path, capsys):
     import hashlib
     import numpy as np

@@ -70,17 +70,24 @@ def shards_present(data_dir: str | Path, manifest: dict) -> bool:
 
 
 def verify_shards(data_dir: str | Path, manifest: dict | None = None) -> None:
-    """Check each shard's size and sha256 against the manifest; DataError naming the first bad one."""
+    """Check each shard's size, sha256 and token-id range against the manifest; DataError
+    naming the first bad one. The range check catches a shard whose checksum was rewritten
+    with it (an id past the vocabulary would crash the embedding, on CUDA as a device assert)."""
+    import numpy as np  # only here: the rest of this module stays standard-library
     manifest = manifest if manifest is not None else load_manifest(data_dir)
     itemsize = 2 if manifest["dtype"] == "uint16" else 4
+    vocab = int(manifest["tokenizer"]["vocab_size"])
     for shard in _shards(manifest):
         path = Path(data_dir) / shard["file"]
         if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
             raise DataError(f"{path}: missing or not {shard['tokens']} tokens long, as the manifest says")
-        digest = hashlib.sha256()
+        digest, top = hashlib.sha256(), -1
         with open(path, "rb") as fh:
             while block := fh.read(1 << 23):
                 digest.update(block)
+                top = max(top, int(np.frombuffer(block, dtype="<" + manifest["dtype"][0] + str(itemsize)).max()))
+        if top >= vocab:
+            raise DataError(f"{path}: holds token id {top}, outside the tokenizer's vocabulary of {vocab}")
         if digest.hexdigest() != shard["sha256"]:
             raise DataError(f"{path}: sha256 {digest.hexdigest()} does not match the manifest's {shard['sha256']}")
 
