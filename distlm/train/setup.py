@@ -1,0 +1,68 @@
+"""Building what the Trainer trains: the device, the data's dimensions, the model.
+
+Kept apart from the loop so eval, bench and export can build the same pieces.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from distlm.config import Config, ConfigError
+from distlm.model.gpt import GPT
+from distlm.parallel import ParallelDims, parallelize
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but CUDA is not available on this machine (use train.device=auto or cpu)")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
+    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
+    """Read the data manifest and fill model.vocab_size from it, or check the two agree."""
+    if cfg.data.source == "synthetic":
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = 50257
+        return {}, None
+    if not cfg.data.dir:
+        raise ConfigError("data.dir is not set: run `distlm prepare INPUT --out DIR` and pass data.dir=DIR")
+    from distlm.data.prepare import load_manifest
+    data_dir = Path(cfg.data.dir)
+    manifest = load_manifest(data_dir)
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = vocab
+    elif cfg.model.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
+                          f"({vocab}, tokenizer {manifest['tokenizer']['name']} in {data_dir}/manifest.json)")
+    return manifest, data_dir
+
+
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[torch.nn.Module, GPT]:
+    """Meta device -> shard -> allocate -> init -> DDP: no rank ever holds the whole model
+    when it is sharded. Returns (the wrapped model to train, the plain GPT inside)."""
+    with torch.device("meta"):
+        inner = GPT(cfg.model)
+
+    def materialize(m: GPT) -> None:
+        # FSDP2's CPU offload wants the sharded parameters allocated in host memory; the
+        # buffers (position tables) still go to the compute device.
+        offload = cfg.parallel.cpu_offload and dims.dp_shard > 1
+        m.to_empty(device=torch.device("cpu") if offload else device)
+        m.init_weights(cfg.train.seed, device)
+        if cfg.init.from_hf and cfg.train.resume == "never":  # a resume brings its own weights
+            from distlm.interop import load_hf_into
+            load_hf_into(m, cfg.init.from_hf)
+
+    model = parallelize(inner, dims, cfg, materialize)
+    return model, inner
