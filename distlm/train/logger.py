@@ -77,3 +77,13 @@ class RunLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def console_line(step: int, r: dict) -> str:
+    """One line per log step: step, loss, lr, grad norm, tokens/s, MFU, memory (and val)."""
+    parts = [f"step {step:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
+             f"tok/s {r['tokens_per_s']:,.0f}", "mfu " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
+             "mem " + ("n/a" if r["mem_gb"] is None else f"{r['mem_gb']:.2f}GB")]
+    if r.get("val_loss") is not None:
+        parts.append(f"val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
+    return " | ".join(parts)

@@ -22,7 +22,7 @@ from distlm.parallel.comm import TorchComm
 from distlm.parallel.grad import clip_grad_norm, grad_sync
 from distlm.train import checkpoint as ckpt
 from distlm.train.faults import StopFlag, Watchdog, nonfinite_grads
-from distlm.train.logger import RunLogger
+from distlm.train.logger import RunLogger, console_line
 from distlm.train.metrics import memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer
 from distlm.train.schedule import lr_at
@@ -375,7 +375,7 @@ class Trainer:
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
         logger.log(self.step, row)
         if self.dims.is_main:
-            say(self._console_line(row))
+            say(console_line(self.step, row))
         self._window = (time.perf_counter(), self.step)
         return row["loss"], val
 
@@ -393,11 +393,3 @@ class Trainer:
         # Ranks see signals and clocks at different moments; stop together or not at all.
         flag = self.comm.max(torch.tensor([1 if reason else 0], device=self.device))
         return (reason or "another rank asked to stop") if flag.item() else None
-
-    def _console_line(self, r: dict) -> str:
-        parts = [f"step {self.step:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
-                 f"tok/s {r['tokens_per_s']:,.0f}", "mfu " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
-                 "mem " + ("n/a" if r["mem_gb"] is None else f"{r['mem_gb']:.2f}GB")]
-        if r.get("val_loss") is not None:
-            parts.append(f"val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
-        return " | ".join(parts)
