@@ -12,7 +12,6 @@ communication that compute did not hide.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -127,7 +126,6 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "date": time.strftime("%Y-%m-%d"),
     }
-    trainer.close() if hasattr(trainer, "close") else None
     return result
 
 

@@ -1,0 +1,49 @@
+"""distlm bench: the timed run reports what it says, and the scaling report's arithmetic."""
+import json
+
+import pytest
+
+from distlm.bench import scaling
+from distlm.bench.throughput import markdown_row, run_bench
+from distlm.config import load_config
+
+
+def test_bench_runs_the_real_step_and_reports(tmp_path):
+    cfg = load_config("tiny", ["data.source=synthetic", "model.vocab_size=256", "model.n_layer=2",
+                               "model.d_model=32", "model.n_head=2", "model.d_ff=64", "model.block_size=16",
+                               "train.global_batch_size=8", "train.micro_batch_size=4", "log.progress=false",
+                               "log.tensorboard=false", f"log.root={tmp_path}", "log.name=b"])
+    r = run_bench(cfg, warmup=1, steps=3)
+    assert r["accum_steps"] == 2 and r["timed_steps"] == 3
+    assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_s"])
+    assert set(r["phases_s"]) == {"data", "forward_backward", "optimizer"}
+    assert sum(r["phases_s"].values()) <= r["step_s"] * 1.05
+    assert r["mfu"] is None and r["exposed_comm_s"] is None  # no peak for a CPU; one process
+    assert "6N + 12*L*d*T" in r["mfu_formula"]
+    assert markdown_row(r).count("|") == 14
+
+
+def fake(n, tps, exposed=None, step=0.1):
+    return {"world_size": n, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / n, "step_s": step,
+            "peak_mem_gb": 1.0, "exposed_comm_s": exposed, "compute_comm_ratio": None if not exposed else 2.0,
+            "global_batch_size": 8 * n, "micro_batch_size": 4, "device": "H100"}
+
+
+def test_amdahl_fit_recovers_the_serial_fraction():
+    s = 0.1
+    ns = [1, 2, 4, 8]
+    assert scaling.amdahl_serial_fraction(ns, [1 / (s + (1 - s) / n) for n in ns]) == pytest.approx(s, abs=1e-3)
+    assert scaling.amdahl_serial_fraction(ns, ns) == 0.0
+
+
+def test_negative_scaling_gets_advice_and_plots(tmp_path):
+    rows = scaling.analyse([fake(1, 1000.0), fake(2, 800.0, exposed=0.06, step=0.2)], "weak")
+    assert rows[1]["speedup"] == pytest.approx(0.8) and rows[1]["weak_eff"] == pytest.approx(0.4)
+    notes = scaling.advice(rows, "dp_replicate")
+    assert len(notes) == 1 and "micro-batch" in notes[0] and "accumulation" in notes[0]
+    assert not scaling.advice(scaling.analyse([fake(1, 1000.0), fake(2, 1980.0, 0.001)], "weak"), "dp_replicate")
+    text = scaling.markdown(rows, "weak", 0.5, notes)
+    assert "| 2 | 16/4 | 800 | 400 |" in text and "Advisor:" in text
+    scaling.plot(rows, tmp_path / "s.png", "weak")
+    import matplotlib.image
+    assert matplotlib.image.imread(tmp_path / "s.png").ndim == 3
