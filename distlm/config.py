@@ -113,6 +113,13 @@ class ParallelConfig:
     ddp_bucket_mb: int = 25
     activation_checkpoint: str = choice("none", "none", "full", "selective")
     timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
+    sequence_parallel: bool = doc(True, "TP: norms and dropout on a slice of the sequence (less memory, same math)")
+    loss_parallel: bool = doc(True, "TP: cross-entropy on vocabulary shards; the full logits never exist")
+    pp_schedule: str = choice("1f1b", "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
+                              help="naive = one microbatch, no overlap (the baseline the others beat)")
+    pp_microbatches: int = doc(0, "PP: microbatches per step; 0 = local batch / train.micro_batch_size")
+    pp_virtual_stages: int = doc(2, "PP: stages per rank for interleaved-1f1b and zero-bubble")
+    pp_layers: Optional[str] = doc(None, "PP: blocks per stage, e.g. '4,4,3,1'; default: balanced by FLOPs")
     engine: str = choice("torch", "torch", "horovod", help="data parallelism through torch.distributed or Horovod")
     fp16_compression: bool = doc(False, "Horovod: send gradients as fp16")
 
@@ -294,7 +301,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size must be positive, got {m.vocab_size}")
+    check_model_split(m, p)
     dp = p.dp_replicate * p.dp_shard
+    if p.pp > 1:
+        local = t.global_batch_size // dp if t.global_batch_size % dp == 0 else 0
+        n_mb = p.pp_microbatches or (local // t.micro_batch_size if local else 0)
+        if not local or n_mb <= 0 or local % n_mb:
+            raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches}: the local batch "
+                              f"(train.global_batch_size={t.global_batch_size} / data-parallel degree {dp}) must "
+                              f"split into equal microbatches")
+    if (p.tp > 1 or p.pp > 1) and p.engine != "torch":
+        raise ConfigError(f"parallel.engine={p.engine} does data parallelism only; tp and pp need engine=torch")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -303,6 +320,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
+
+
+def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
+    """Tensor parallelism splits heads, FF width and vocabulary rows; each must be whole."""
+    if p.tp > 1:
+        if m.n_head % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} does not divide model.n_head={m.n_head}: each rank must "
+                              f"hold whole heads")
+        if m.d_ff % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} does not divide model.d_ff={m.d_ff}")
+        if m.vocab_size is not None and m.padded_vocab_size % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} does not divide the padded vocabulary ({m.padded_vocab_size}); "
+                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
+    if p.pp > 1 and p.pp_virtual_stages < 1:
+        raise ConfigError(f"parallel.pp_virtual_stages must be positive, got {p.pp_virtual_stages}")
 
 
 def to_yaml(cfg: Config) -> str:

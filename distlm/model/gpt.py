@@ -203,17 +203,25 @@ class GPT(nn.Module):
             _copy_shard(p, full)
         self.init_buffers(device)
 
-    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Token ids -> the residual stream entering block 0 (positions added, dropout)."""
         T = idx.shape[1]
-        x = self.tok_emb(idx) if self.tok_emb is not None else idx
+        x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start_pos, start_pos + T, device=idx.device))
         elif self.cfg.position == "sinusoidal" and self.sinusoid.numel():
             x = x + self.sinusoid[start_pos:start_pos + T].to(x.dtype)
-        rope = None
-        if self.cfg.position == "rope":
-            rope = (self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T])
-        x = self.drop(x)
+        return self.drop(x)
+
+    def rope_at(self, start_pos: int, T: int):
+        if self.cfg.position != "rope":
+            return None
+        return self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
+
+    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+        # A part without tok_emb (a pipeline stage) takes the residual stream as input.
+        x = self.embed(idx, start_pos) if self.tok_emb is not None else idx
+        rope = self.rope_at(start_pos, idx.shape[1])
         for i, block in self.blocks.items():
             x = block(x, rope, cache.layer(int(i)) if cache is not None else None, start_pos)
         if self.norm is not None:

@@ -39,8 +39,9 @@ def offload_policy(pcfg: ParallelConfig, device_type: str) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig) -> nn.Module:
-    """One FSDP unit per block, then the root, in place.
+def apply_fsdp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, roots=None) -> nn.Module:
+    """One FSDP unit per block, then the root, in place. Under pipeline parallelism the
+    roots are the rank's stage views (``roots``): the schedule runs them, not the model.
 
     The root unit owns everything outside the blocks, in particular ``tok_emb`` and
     ``head``: with tied embeddings they are one parameter, and FSDP2 can keep a shared
@@ -57,5 +58,6 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig) -> nn
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=pcfg.reshard_after_forward and not last, **kw)
     # FSDP2 never reshards the root after forward (its weights are needed first in backward).
-    fully_shard(model, reshard_after_forward=pcfg.reshard_after_forward, **kw)
+    for root in roots or [model]:
+        fully_shard(root, reshard_after_forward=pcfg.reshard_after_forward, **kw)
     return model

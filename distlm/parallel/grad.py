@@ -35,19 +35,21 @@ def grad_sync(model: nn.Module, enabled: bool):
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None, exclude=frozenset()) -> torch.Tensor:
     """Global L2 norm over all gradients, then scale them down to max_norm if above.
 
     ``torch.nn.utils.clip_grad_norm_`` raises when some gradients are DTensors on a
     2-D (dp, tp) mesh and others on the dp mesh alone: their norms cannot be stacked.
     So: group by mesh, take each group's norm as a full (replicated) value, combine.
-    Returns the norm before clipping. max_norm <= 0 only measures.
+    Under pipeline parallelism each rank holds other parameters: the squared norms are
+    summed over ``pp_group``, and a parameter held by two stages (ids in ``exclude`` on
+    the second holder) is counted once. Returns the norm before clipping.
+    max_norm <= 0 only measures.
     """
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0)
+    counted = [p for p in params if id(p) not in exclude]
     groups: dict = {}
-    for p in params:
+    for p in counted:
         groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
     for mesh, ps in groups.items():
@@ -59,12 +61,21 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         if hasattr(n, "full_tensor"):
             n = n.full_tensor()
         norms.append(n.float())
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
-    if max_norm > 0:
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0) if norms \
+        else torch.zeros(())
+    if pp_group is not None:
+        import torch.distributed as dist
+        sq = total.pow(2)
+        dist.all_reduce(sq, group=pp_group)
+        total = sq.sqrt()
+    if max_norm > 0 and params:
         # A NaN norm would turn every gradient into NaN and hide which tensor went bad;
         # as +inf it scales them by zero instead (the step is skipped anyway).
         safe = torch.nan_to_num(total, nan=float("inf"))
-        for mesh, ps in groups.items():
+        by_mesh: dict = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for ps in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, safe, foreach=True)
     return total
 

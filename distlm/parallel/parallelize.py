@@ -28,24 +28,40 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
-                materialize: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
-    """Returns the model to train (a DDP wrapper, or ``model`` itself sharded in place).
+                materialize: Optional[Callable[[nn.Module], None]] = None):
+    """Returns the model to train (a DDP wrapper, or ``model`` itself sharded in place),
+    and, under pipeline parallelism, the ``PipelineParts`` whose schedule drives it.
 
-    ``materialize(model)`` allocates and initialises a meta-device model. It runs after
-    the sharding steps, so each rank allocates only its shards, and before DDP, whose
-    constructor needs real tensors. Without it the caller materialises afterwards, and
-    DDP is refused on a meta model.
+    The order, written once: pipeline split (prune to this rank's stages), TP, activation
+    checkpointing, compile, FSDP2, allocation + init, DDP. ``materialize(model)``
+    allocates and initialises a meta-device model: after the sharding steps, so each rank
+    allocates only its shards, and before DDP, whose constructor needs real tensors.
     """
-    if cfg.parallel.activation_checkpoint != "none":
-        apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
+    pcfg = cfg.parallel
+    parts = None
+    if dims.pp > 1:
+        from distlm.parallel.pp import build_pipeline
+        parts = build_pipeline(model, dims, pcfg, cfg.model)
+        model = parts.model
+    if dims.tp > 1:
+        from distlm.config import check_model_split
+        from distlm.parallel.tp import apply_tp
+        check_model_split(cfg.model, pcfg)  # the vocabulary is known only now
+        apply_tp(model, dims.mesh["tp"], pcfg)
+    if pcfg.activation_checkpoint != "none":
+        apply_activation_checkpointing(model, pcfg.activation_checkpoint)
     if cfg.train.compile:
         apply_compile(model)
-    if dims.dp_shard > 1:
+    if parts is not None:
+        parts.refresh_views()  # the views must hold the wrapped blocks
+    # With TP or PP, replication goes through FSDP2 too (a (dp_replicate, dp_shard) mesh
+    # whose shard axis may be 1): DDP cannot hold DTensors, nor drive a pipeline stage.
+    if dims.dp_shard > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1)):
         from distlm.parallel.fsdp import apply_fsdp
-        apply_fsdp(model, dims, cfg.parallel)
+        apply_fsdp(model, dims, pcfg, roots=parts.views if parts is not None else None)
     if materialize is not None:
         materialize(model)
-    if dims.dp_replicate > 1 and dims.dp_shard == 1 and cfg.parallel.engine == "torch":  # Horovod reduces itself
+    if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1 and pcfg.engine == "torch":
         from distlm.parallel.ddp import apply_ddp
-        model = apply_ddp(model, dims, cfg.parallel)
-    return model
+        model = apply_ddp(model, dims, pcfg)  # Horovod reduces itself
+    return model, parts

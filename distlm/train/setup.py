@@ -48,9 +48,10 @@ def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
     return manifest, data_dir
 
 
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[torch.nn.Module, GPT]:
-    """Meta device -> shard -> allocate -> init -> DDP: no rank ever holds the whole model
-    when it is sharded. Returns (the wrapped model to train, the plain GPT inside)."""
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device):
+    """Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
+    model when it is sharded. Returns (the wrapped model to train, the plain GPT inside,
+    the pipeline parts or None). Under PP the GPT is this rank's pruned part."""
     with torch.device("meta"):
         inner = GPT(cfg.model)
 
@@ -64,5 +65,5 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[
             from distlm.interop import load_hf_into
             load_hf_into(m, cfg.init.from_hf)
 
-    model = parallelize(inner, dims, cfg, materialize)
-    return model, inner
+    model, parts = parallelize(inner, dims, cfg, materialize)
+    return model, (parts.model if parts is not None else inner), parts

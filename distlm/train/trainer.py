@@ -55,20 +55,28 @@ class Trainer:
                               f"{cfg.data.dir} was prepared with {self.manifest['tokenizer']['name']} "
                               f"({self.manifest['tokenizer']['vocab_size']} tokens); prepare it with that tokenizer")
         self.run_dir = Path(run_dir) if run_dir else self._run_dir()
-        torch.manual_seed(cfg.train.seed + self.dims.rank)  # dropout differs per rank, by design
-        self.model, self.gpt = build_model(cfg, self.dims, self.device)
+        # Dropout differs per data-parallel rank and pipeline stage, by design, but not
+        # across a TP group: its ranks hold the same replicated activations (tp is the
+        # mesh's innermost axis, so rank // tp numbers the other coordinates).
+        torch.manual_seed(cfg.train.seed + self.dims.rank // self.dims.tp)
+        self.model, self.gpt, self.pp = build_model(cfg, self.dims, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         # Compiled, the fp32 cast, log-softmax and gather over the vocabulary fuse into one
         # pass instead of materialising fp32 logits (3.3 GB at B=16, T=1024, V=50k).
-        self.loss_fn = torch.compile(lm_loss) if cfg.train.compile else lm_loss
+        # Under TP the logits are DTensors for loss_parallel, which runs eagerly.
+        self.loss_fn = torch.compile(lm_loss) if cfg.train.compile and self.dims.tp == 1 else lm_loss
         self.loader = self._build_loader()
+        if self.pp is not None:
+            from distlm.parallel.pp import make_schedule
+            make_schedule(self.pp, cfg.parallel, cfg.parallel.pp_microbatches or self.loader.accum_steps,
+                          self.device, self.loss_fn)
         self.step = 0
         self.tokens_seen = 0
         self.best_val: Optional[float] = None
         self.best_ckpt: Optional[str] = None
         self.protected: list[str] = []  # checkpoints pruning must keep (the last one before a fault)
         self.nan_skips = 0
-        n = self.gpt.num_params()
+        n = full_num_params(cfg.model) if self.pp is not None else self.gpt.num_params()
         self.flops_per_token = flops_per_token(cfg.model, n)
         self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
         self.resumed_from = self._maybe_resume()
@@ -170,6 +178,12 @@ class Trainer:
             stack.enter_context(sdpa_kernel(order, set_priority=True))
         return stack
 
+    def _loss_parallel(self):
+        if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     def train_step(self, mark=None, sync_grads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over one global batch. Returns (mean loss, grad norm), on device.
 
@@ -184,18 +198,22 @@ class Trainer:
         micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                  for x, y in self.loader.next()]
         mark("data")
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro):
-            with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast():
-                loss = self.loss_fn(self.model(x), y) / len(micro)
-                loss.backward()
-            loss_sum += loss.detach()
+        if self.pp is not None:
+            loss_sum = self._pipeline_step(micro)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(micro):
+                with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast(), \
+                        self._loss_parallel():
+                    loss = self.loss_fn(self.model(x), y) / len(micro)
+                    loss.backward()
+                loss_sum += _full(loss.detach())
         loss_mean = self._dp_mean(loss_sum)
         mark("forward_backward")
         reduces_itself = hasattr(self.optimizer, "synchronize")  # Horovod: finish its allreduce first
         if reduces_itself:
             self.optimizer.synchronize()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        grad_norm = self._clip()
         # grad_norm is global (reduced over every rank), so all ranks take the same branch.
         # The check reads two numbers on the host: one device sync per step (on_nan=off avoids it).
         if self.cfg.train.on_nan == "off" or (bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_mean))):
@@ -208,6 +226,24 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
         return loss_mean, grad_norm
+
+    def _pipeline_step(self, micro) -> torch.Tensor:
+        """The local batch through the pipeline schedule (it splits the microbatches);
+        the last stage's mean loss comes back on every rank."""
+        from distlm.parallel.pp import loss_to_all, run_pipeline, sync_tied_grads
+        x = torch.cat([m[0] for m in micro])
+        y = torch.cat([m[1] for m in micro])
+        with self._autocast(), self._loss_parallel():
+            loss = run_pipeline(self.pp, x, y, train=True)
+        sync_tied_grads(self.pp)
+        return loss_to_all(_full(loss) if loss is not None else None, self.pp, self.device)
+
+    def _clip(self) -> torch.Tensor:
+        if self.pp is None:
+            return clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        from distlm.parallel.pp import duplicate_params
+        return clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, pp_group=self.pp.group,
+                              exclude=duplicate_params(self.pp))
 
     def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
         names = nonfinite_grads(self.model)
@@ -237,11 +273,31 @@ class Trainer:
         batches = val_micro_batches(self.val_blocks, self.cfg.train.eval_batches, self.cfg.train.micro_batch_size,
                                     self.dims.dp_rank, self.dims.dp_size)
         total = torch.zeros((), device=self.device)
-        for x, y in batches:
-            with self._autocast():
-                total += lm_loss(self.model(x.to(self.device)), y.to(self.device))
+        if self.pp is not None:
+            total, n = self._pipeline_eval(batches)
+        else:
+            n = len(batches)
+            for x, y in batches:
+                with self._autocast(), self._loss_parallel():
+                    total += _full(lm_loss(self.model(x.to(self.device)), y.to(self.device)))
         self.model.train()
-        return float(self._dp_mean(total / max(1, len(batches))))
+        return float(self._dp_mean(total / max(1, n)))
+
+    def _pipeline_eval(self, batches) -> tuple[torch.Tensor, int]:
+        """Validation micro-batches go through the schedule a training step's worth at a
+        time (its microbatch count must divide what it is given); a remainder is left out."""
+        from distlm.parallel.pp import loss_to_all, run_pipeline
+        per_step = self.loader.accum_steps
+        total, n = torch.zeros((), device=self.device), 0
+        for i in range(0, len(batches) - per_step + 1, per_step):
+            group = batches[i:i + per_step]
+            x = torch.cat([b[0] for b in group]).to(self.device)
+            y = torch.cat([b[1] for b in group]).to(self.device)
+            with self._autocast(), self._loss_parallel():
+                loss = run_pipeline(self.pp, x, y, train=False)
+            total += loss_to_all(_full(loss) if loss is not None else None, self.pp, self.device) * len(group)
+            n += len(group)
+        return total, n
 
     def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
         """A checkpoint of this step (collective). A write error stops training or, with
@@ -393,3 +449,15 @@ class Trainer:
         # Ranks see signals and clocks at different moments; stop together or not at all.
         flag = self.comm.max(torch.tensor([1 if reason else 0], device=self.device))
         return (reason or "another rank asked to stop") if flag.item() else None
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_parallel is a (replicated) DTensor; the loop wants a tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_num_params(m) -> int:
+    """Parameter count of the whole model (a pipeline rank holds only a part)."""
+    from distlm.model.gpt import GPT
+    with torch.device("meta"):
+        return GPT(m).num_params()

@@ -1,0 +1,76 @@
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, as a DTensor plan.
+
+    torchrun --nproc_per_node 4 -m distlm train model=gpt2-124m parallel.tp=4
+
+Per block: q/k/v and the MLP's input (and gate) projections are split by columns, so
+each rank computes whole heads and a slice of the hidden width; the output projections
+are split by rows and their partial sums reduced. With ``sequence_parallel`` the norms
+(and the dropouts after them) run on a slice of the sequence instead of repeating the
+same work on every rank: the reduce after each row-parallel layer becomes a
+reduce-scatter over the sequence, and the all-gather moves to the block's inputs.
+The head is split over the vocabulary; with ``loss_parallel`` the cross-entropy is
+computed on those shards, so no rank ever holds the full (B, T, V) logits.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+
+from distlm.config import ParallelConfig
+
+
+def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
+    """Shard a GPT (or a pipeline stage of one: a part whose tok_emb/head are None) in place.
+
+    Works on a meta-device model; ``init_weights`` then fills each rank's shards.
+    """
+    sp = pcfg.sequence_parallel
+    # Inside the blocks the residual stream is a plain local tensor: (B, T/tp, d) with
+    # SP, (B, T, d) without. These are the layouts the block edges agree on.
+    resid = Shard(1) if sp else Replicate()
+    tied = model.cfg.tie_embeddings and getattr(model, "tok_emb", None) is not None \
+        and getattr(model, "head", None) is not None
+    top: dict = {}
+    if model.tok_emb is not None:
+        # Vocabulary-parallel embedding. Its output stays whole (Replicate) so that any
+        # position scheme (learned, sinusoidal, rope) adds a full-length table as on one
+        # process; the slice onto this rank's part of the sequence happens after dropout
+        # and costs no communication.
+        top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp:
+            top["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.head is not None:
+        top["head"] = ColwiseParallel(
+            input_layouts=resid,
+            # loss_parallel wants the logits as a DTensor sharded over the vocabulary.
+            output_layouts=Shard(-1) if pcfg.loss_parallel else Replicate(),
+            use_local_output=not pcfg.loss_parallel)
+    if tied:
+        # One Parameter serves both modules. Both plans shard it by rows (vocabulary), so
+        # it is distributed once, for the embedding, and handed to the head after.
+        model.head.weight = nn.Parameter(model.head.weight.detach().clone(), requires_grad=True)
+    parallelize_module(model, tp_mesh, top)
+    if tied:
+        model.head.weight = model.tok_emb.weight
+
+    for block in model.blocks.values():
+        plan = {
+            "attn": PrepareModuleInput(input_layouts=(resid, None, None, None),
+                                       desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=resid),
+            "mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+            "mlp.w_in": ColwiseParallel(), "mlp.w_out": RowwiseParallel(output_layouts=resid),
+        }
+        if block.mlp.w_gate is not None:
+            plan["mlp.w_gate"] = ColwiseParallel()
+        if sp:
+            plan["attn_norm"] = SequenceParallel(use_local_output=True)
+            plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    return model
