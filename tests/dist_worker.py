@@ -47,13 +47,20 @@ def inspect_model(trainer: Trainer) -> dict:
     return {
         "init_mismatched": mismatched,
         "n_params": len(ref_params),
-        "tied": gpt.head.weight is gpt.tok_emb.weight,
+        "tied": _tied(gpt),
         "fsdp_root": isinstance(gpt, FSDPModule),
         "fsdp_blocks": [isinstance(b, FSDPModule) for b in gpt.blocks.values()],
         "embedding_units": [isinstance(m, FSDPModule) for m in (gpt.tok_emb, gpt.head)],
         "group_timeouts_s": axes,
         "model_type": type(trainer.model).__name__,
     }
+
+
+def _tied(gpt) -> bool | None:
+    """Head and embedding share one Parameter (None where a pipeline rank holds only one)."""
+    if gpt.head is None or gpt.tok_emb is None:
+        return None
+    return gpt.head.weight is gpt.tok_emb.weight
 
 
 def norm_paths(trainer: Trainer) -> list[float]:
@@ -97,10 +104,10 @@ def main(plan_path: str) -> None:
                 "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
         if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
             info.update(inspect_model(trainer))
-            if trainer.dims.dp_shard > 1:
+            if trainer.dims.dp_shard > 1 and trainer.pp is None and trainer.dims.tp == 1:
                 info["grad_norms"] = norm_paths(trainer)
         trainer.train()
-        info["tied_after_training"] = trainer.gpt.head.weight is trainer.gpt.tok_emb.weight
+        info["tied_after_training"] = _tied(trainer.gpt)
         info["seconds"] = round(time.perf_counter() - t0, 2)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, info)

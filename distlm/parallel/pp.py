@@ -255,6 +255,11 @@ def sync_tied_grads(parts: PipelineParts) -> None:
     p = gpt.tok_emb.weight
     if p.grad is None:
         p.grad = torch.zeros_like(p)
+    if hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+        # Under TP the embedding's backward yields a replicated gradient for the
+        # vocabulary-sharded matrix, the head's a sharded one: bring both to the
+        # parameter's layout (a local slice, no communication) so the two ends match.
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
     dist.all_reduce(g, group=parts.tied_group)
 

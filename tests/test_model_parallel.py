@@ -1,0 +1,165 @@
+"""Tensor and pipeline parallelism, and their compositions, against one process (CPU, gloo).
+
+Same method as test_distributed.py: each layout trains on the same global batches as the
+single-process reference, so per-step losses and grad norms must agree to fp32 rounding.
+Launches (each runs several Trainer jobs, tests/dist_worker.py):
+  - 2 ranks: TP2 plain and TP2 + SP + loss_parallel, on two model variants; PP2 under every
+    schedule (naive, gpipe, 1f1b, interleaved-1f1b, zero-bubble);
+  - 4 ranks: TP4; PP4 under 1f1b and interleaved-1f1b; TP2xDP2 (FSDP2 and replicated),
+    PP2xDP2, TP2xPP2; a TP2xDP2 checkpoint resumed as FSDP4 and as TP2xPP2;
+  - 8 ranks: DP2xTP2xPP2, once (no 8-GPU machine is lent; this is where 3-D is checked);
+  - this process resumes the TP2xDP2 checkpoint as one process.
+About 4-5 minutes on two cores.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distlm.config import ConfigError, load_config
+from test_distributed import assert_matches, ckpt, run_worker, trace, train_here
+
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+STEPS, SAVE_AT = 5, 3
+# Six blocks, so that 4 ranks x 2 virtual stages still give each stage something to do;
+# clipping active every step; learned positions (replicated under TP, first stage only
+# under PP) and tied embeddings (split over the vocabulary under TP, held by the first
+# and last stage under PP) are the hard cases.
+BASE = ["model.n_layer=6", "model.n_head=4", "model.d_model=64", "model.d_ff=128", "model.block_size=32",
+        "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
+        f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=4",
+        "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
+        "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
+        "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
+# Llama-style: rope, rmsnorm, swiglu, untied head, no biases.
+LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.tie_embeddings=false",
+         "model.bias=false"]
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+
+
+def job(root: Path, name: str, *extra: str, **kw) -> dict:
+    return {"name": name, "overrides": BASE + [f"log.root={root}", f"log.name={name}", *extra], **kw}
+
+
+def steps(n: int = STEPS) -> range:
+    return range(1, n + 1)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mp")
+
+
+@pytest.fixture(scope="module")
+def reference(root) -> dict:
+    """One process, one big micro-batch, for each model variant."""
+    out = {}
+    for variant, extra in (("gpt2", []), ("llama", LLAMA)):
+        train_here(job(root, f"ref_{variant}", "train.micro_batch_size=16", *extra)["overrides"])
+        out[variant] = trace(root / f"ref_{variant}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def two(root, reference) -> dict:
+    jobs = [job(root, "tp2_plain", "parallel.tp=2", "parallel.sequence_parallel=false",
+                "parallel.loss_parallel=false"),
+            job(root, "tp2_sp", "parallel.tp=2"),
+            job(root, "tp2_sp_llama", "parallel.tp=2", *LLAMA),
+            job(root, "pp2_1f1b_llama", "parallel.pp=2", *LLAMA)]
+    jobs += [job(root, f"pp2_{s}", "parallel.pp=2", f"parallel.pp_schedule={s}") for s in SCHEDULES]
+    return run_worker(root, 2, jobs)
+
+
+@pytest.fixture(scope="module")
+def four(root, reference) -> dict:
+    jobs = [job(root, "tp4", "parallel.tp=4"),
+            job(root, "pp4_1f1b", "parallel.pp=4"),
+            job(root, "pp4_interleaved", "parallel.pp=4", "parallel.pp_schedule=interleaved-1f1b"),
+            job(root, "tp2_fsdp2", "parallel.tp=2", "parallel.dp_shard=2"),
+            job(root, "tp2_ddp2", "parallel.tp=2", "parallel.dp_replicate=2"),
+            job(root, "pp2_fsdp2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=gpipe"),
+            job(root, "pp2_ddp2", "parallel.pp=2", "parallel.dp_replicate=2"),
+            job(root, "tp2_pp2", "parallel.tp=2", "parallel.pp=2"),
+            # Cross-layout: the TP2xDP2 checkpoint of step 3 continues under other layouts.
+            job(root, "from_tp_to_fsdp4", "parallel.dp_shard=4",
+                f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"),
+            job(root, "from_tp_to_tp2pp2", "parallel.tp=2", "parallel.pp=2",
+                f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}")]
+    return run_worker(root, 4, jobs)
+
+
+@pytest.fixture(scope="module")
+def eight(root, reference) -> dict:
+    return run_worker(root, 8, [job(root, "dp2_tp2_pp2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2")])
+
+
+# ---- tensor parallel ------------------------------------------------------------------
+@pytest.mark.parametrize("name,variant", [("tp2_plain", "gpt2"), ("tp2_sp", "gpt2"), ("tp2_sp_llama", "llama")])
+def test_tp2_matches_one_process(root, two, reference, name, variant):
+    assert_matches(root / name, reference[variant], steps())
+    assert all(not r["init_mismatched"] for r in two[name]), "TP shards must hold slices of the same init"
+
+
+def test_tp4_matches_one_process(root, four, reference):
+    assert_matches(root / "tp4", reference["gpt2"], steps())
+
+
+def test_tp_keeps_tied_embedding(two):
+    assert all(r["tied_after_training"] for r in two["tp2_sp"])
+
+
+# ---- pipeline parallel ----------------------------------------------------------------
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_every_schedule_matches_one_process(root, two, reference, schedule):
+    assert_matches(root / f"pp2_{schedule}", reference["gpt2"], steps())
+
+
+def test_pp2_untied_llama(root, two, reference):
+    assert_matches(root / "pp2_1f1b_llama", reference["llama"], steps())
+
+
+@pytest.mark.parametrize("name", ["pp4_1f1b", "pp4_interleaved"])
+def test_pp4_matches_one_process(root, four, reference, name):
+    assert_matches(root / name, reference["gpt2"], steps())
+
+
+# ---- compositions ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tp2_fsdp2", "tp2_ddp2", "pp2_fsdp2", "pp2_ddp2", "tp2_pp2"])
+def test_2d_layouts_match_one_process(root, four, reference, name):
+    assert_matches(root / name, reference["gpt2"], steps())
+
+
+@pytest.mark.slow
+def test_3d_dp2_tp2_pp2_matches_one_process(root, eight, reference):
+    assert_matches(root / "dp2_tp2_pp2", reference["gpt2"], steps())
+
+
+# ---- checkpoints across layouts -------------------------------------------------------
+@pytest.mark.parametrize("name", ["from_tp_to_fsdp4", "from_tp_to_tp2pp2"])
+def test_tp_dp_checkpoint_resumes_under_other_layouts(root, four, reference, name):
+    assert all(r["start_step"] == SAVE_AT for r in four[name])
+    assert_matches(root / name, reference["gpt2"], range(SAVE_AT + 1, STEPS + 1))
+
+
+def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
+    t = train_here(BASE + [f"log.root={root}", "log.name=from_tp_to_one",
+                           f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"])
+    assert t.step == STEPS
+    assert_matches(root / "from_tp_to_one", reference["gpt2"], range(SAVE_AT + 1, STEPS + 1))
+
+
+# ---- config errors (no launch) --------------------------------------------------------
+@pytest.mark.parametrize("extra,needle", [
+    (["parallel.tp=3", "model.n_head=4"], "does not divide model.n_head=4"),
+    (["parallel.tp=2", "model.n_head=4", "model.d_ff=130"], "does not divide model.d_ff=130"),
+    (["parallel.pp=2", "train.global_batch_size=12", "train.micro_batch_size=4", "parallel.pp_microbatches=5"],
+     "parallel.pp_microbatches=5"),
+    (["parallel.pp=2", "parallel.pp_virtual_stages=0"], "pp_virtual_stages must be positive"),
+    (["parallel.tp=2", "parallel.engine=horovod"], "tp and pp need engine=torch"),
+])
+def test_bad_model_parallel_config(extra, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, ["model.vocab_size=256", *extra])
