@@ -154,7 +154,7 @@ def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
 # ---- config errors (no launch) --------------------------------------------------------
 @pytest.mark.parametrize("extra,needle", [
     (["parallel.tp=3", "model.n_head=4"], "does not divide model.n_head=4"),
-    (["parallel.tp=2", "model.n_head=4", "model.d_ff=130"], "does not divide model.d_ff=130"),
+    (["parallel.tp=2", "model.n_head=4", "model.d_ff=129"], "does not divide model.d_ff=129"),
     (["parallel.pp=2", "train.global_batch_size=12", "train.micro_batch_size=4", "parallel.pp_microbatches=5"],
      "parallel.pp_microbatches=5"),
     (["parallel.pp=2", "parallel.pp_virtual_stages=0"], "pp_virtual_stages must be positive"),
