@@ -176,11 +176,50 @@ def cmd_bench(args) -> int:
     cfg = load_config(args.config, overrides)
     if not cfg.log.name:
         cfg.log.name = __import__("time").strftime("bench-%Y%m%d-%H%M%S")
+    if args.pp_sweep:
+        return _pp_sweep(cfg, args)
     result = run_bench(cfg, args.warmup, args.steps, comm_probe=not args.no_comm_probe)
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         report(result, None if args.no_results else Path(args.results), args.json)
     _shutdown()
+    return 0
+
+
+def _pp_sweep(cfg, args) -> int:
+    import torch.distributed as dist
+    from distlm.bench.pipeline import run_sweep, write_report
+    if cfg.parallel.pp < 2:
+        raise ConfigError("--pp-sweep needs parallel.pp >= 2 (launch with torchrun, one process per stage)")
+    rows = run_sweep(cfg, [int(x) for x in args.pp_sweep.split(",")], args.warmup, args.steps)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(write_report(rows, Path(args.out_dir)) + f"\nwrote {args.out_dir}/pp-sweep.md, .json and .png")
+    _shutdown()
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from distlm.planner import explain, format_table, plan
+    overrides = list(args.overrides)
+    if args.seq:
+        overrides.append(f"model.block_size={args.seq}")
+    cfg = load_config(args.config, overrides)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = 50257  # GPT-2 BPE, what a preset trains on unless told otherwise
+    gb = args.global_batch or cfg.train.global_batch_size
+    mb = args.micro_batch or cfg.train.micro_batch_size
+    ests = plan(cfg.model, args.gpus, args.gpu_mem_gb, gb, mb, peak_tflops=args.peak_tflops,
+                link_gbs=args.link_gbs, compute_bytes=2 if args.dtype == "bf16" else 4)
+    if not ests:
+        raise ConfigError(f"no layout of {args.gpus} GPUs divides global batch {gb} into micro-batches of {mb}")
+    print(f"{args.config or 'config'}: {cfg.model.n_layer} layers x {cfg.model.d_model}, T={cfg.model.block_size}, "
+          f"global batch {gb}, micro-batch {mb}, {args.gpus} GPUs x {args.gpu_mem_gb:g} GB")
+    print(format_table(ests))
+    fits = [e for e in ests if e.fits]
+    if not fits:
+        print(f"no layout fits in {args.gpu_mem_gb:g} GB: lower train.micro_batch_size, or add GPUs")
+        return 1
+    print(explain(fits[0], ests, args.gpu_mem_gb))
     return 0
 
 
@@ -265,8 +304,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--axis", default="dp_replicate", choices=["dp_replicate", "dp_shard"],
                    help="--scaling: DDP (dp_replicate) or FSDP2 (dp_shard)")
     s.add_argument("--mode", default="weak", choices=["weak", "strong"], help="--scaling: keep per-GPU or global batch")
-    s.add_argument("--out-dir", default="bench-scaling", help="--scaling: where the table and plots go")
+    s.add_argument("--out-dir", default="bench-scaling", help="--scaling/--pp-sweep: where the table and plots go")
+    s.add_argument("--pp-sweep", default=None, metavar="1,2,4,8",
+                   help="under torchrun with parallel.pp>=2: step time and bubble of naive, GPipe and 1F1B "
+                   "against these microbatch counts")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("plan", help="memory and communication per GPU for every layout of N GPUs, ranked",
+                       description="Estimate, for each (dp_replicate, dp_shard, tp, pp) layout with and without "
+                       "activation checkpointing: parameters, gradients, AdamW state, FSDP buffers and activations "
+                       "per GPU, and bytes communicated per step; then recommend one.")
+    s.add_argument("--config", default=None, help="YAML file or preset name")
+    s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    s.add_argument("--gpus", type=int, required=True)
+    s.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    s.add_argument("--seq", type=int, default=None, help="sequence length (default: model.block_size)")
+    s.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
+    s.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the config's)")
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="activation dtype (fp32 on CPU)")
+    s.add_argument("--peak-tflops", type=float, default=989.0, help="for the time estimate (H100/H200 bf16 dense)")
+    s.add_argument("--link-gbs", type=float, default=150.0, help="GB/s per GPU of the interconnect, for the estimate")
+    s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("demo", help="offline end-to-end demo on the vendored Gutenberg corpus (make run)")
     s.add_argument("--root", default="runs", help="where the run folder goes")

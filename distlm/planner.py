@@ -130,13 +130,15 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     # activations of one microbatch on this stage, times those in flight
     fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
     per_layer = b * T * (4 * fp32_el + compute_bytes * cd_el)
-    if lay.ac == "full":
-        act = b * T * 4 * d / (t if sequence_parallel and t > 1 else 1) * L + per_layer
-    else:
-        act = per_layer * L
     in_flight = 1 if lay.pp == 1 else (n_mb if lay.schedule in ("gpipe", "naive") else min(lay.pp, n_mb))
     logits = b * T * V / (t if loss_parallel else 1) * (compute_bytes + 4 + 4)  # logits, fp32 copy, grad
-    activations_gb = (act * in_flight + logits) / GB
+    if lay.ac == "full":
+        # Only each block's input is kept; one block's tensors come back during its
+        # recompute, by which time the logits are gone: the peak is the larger of the two.
+        kept = b * T * 4 * d / (t if sequence_parallel and t > 1 else 1) * L
+        activations_gb = (kept * in_flight + max(logits, per_layer)) / GB
+    else:
+        activations_gb = (per_layer * L * in_flight + logits) / GB
     total = params_gb + grads_gb + optim_gb + buffers_gb + activations_gb
     # communication per GPU per step (bytes sent), ring algorithms: 2(n-1)/n for all-reduce
     comm = 0.0

@@ -113,7 +113,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "device": device_name(device), "world_size": dims.world_size, "torch": torch.__version__,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp},
         "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "block_size": cfg.model.block_size,
-                  "params": trainer.gpt.num_params(False)},
+                  "params": _total_params(trainer)},
         "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
         "accum_steps": trainer.loader.accum_steps, "compile": cfg.train.compile,
         "activation_checkpoint": cfg.parallel.activation_checkpoint, "dtype": str(trainer.amp_dtype or "fp32"),
@@ -123,10 +123,22 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "compute_comm_ratio": (compute / exposed) if exposed else None,
         "flops_per_token": fpt, "achieved_tflops_per_gpu": achieved, "peak_tflops": peak,
         "mfu": achieved / peak if peak else None, "mfu_formula": FORMULA,
-        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # the busiest rank: pipeline stages and TP/FSDP ranks need not hold the same amount
+        "peak_mem_gb": _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
+        if device.type == "cuda" else None,
+        "pp_schedule": cfg.parallel.pp_schedule if dims.pp > 1 else None,
+        "pp_microbatches": trainer.pp.n_microbatches if trainer.pp is not None else None,
         "date": time.strftime("%Y-%m-%d"),
     }
     return result
+
+
+def _total_params(trainer) -> int:
+    if trainer.pp is None:
+        return trainer.gpt.num_params(False)
+    from distlm.model.gpt import GPT
+    with torch.device("meta"):
+        return GPT(trainer.cfg.model).num_params(False)
 
 
 def markdown_row(r: dict) -> str:
