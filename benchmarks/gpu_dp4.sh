@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on a 4-GPU machine (nvidia-h100-x4 / nvidia-h200-x4), the successor of gpu_parallel.sh:
 #   bash benchmarks/gpu_dp4.sh           (carry .whl: horovod-0.28.1.tar.gz + cloudpickle/psutil/cffi/pycparser wheels)
+#   NP=2 bash benchmarks/gpu_dp4.sh      (the same study on a 2-GPU machine: sizes 1,2)
 # In priority order, each guarded by the time left (BUDGET seconds in all, default 525):
 #   1. the Horovod NCCL build, in the background in its own session (nice'd, on half the cores)
 #   2. DDP weak scaling 1,2,4            (gpt2-124m-1024, synthetic, bf16, compile, on_nan=off)
@@ -26,7 +27,7 @@ if [ "$DRY" = 1 ]; then   # tiny model on the CPU, 2 processes: checks flags and
         train.compile=${DRY_COMPILE:-false})
   BIG_GB=8; BIG_MB=2; HVD_TRAIN_GB=8
 else
-  PY=python3; NP=4; SIZES=1,2,4; WU=6; ST=12; TRAIN_STEPS=50; LOGE=10; TINY=()
+  PY=python3; NP=${NP:-4}; SIZES=$(seq -s, 1 "$NP" | sed 's/,3//'); WU=6; ST=12; TRAIN_STEPS=50; LOGE=10; TINY=()
   BIG_GB=64; BIG_MB=16; HVD_TRAIN_GB=128
 fi
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$NP")

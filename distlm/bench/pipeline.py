@@ -30,7 +30,7 @@ def run_sweep(cfg, counts: list[int], warmup: int, steps: int) -> list[dict]:
     rows, naive_s = [], None
     for schedule in SCHEDULES:
         for m in ([1] if schedule == "naive" else counts):
-            if local % m:
+            if local % m or (schedule == "1f1b" and m < pp):  # 1F1B needs a microbatch per stage at least
                 continue
             c = copy.deepcopy(cfg)
             c.parallel.pp_schedule = schedule
