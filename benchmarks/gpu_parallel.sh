@@ -37,7 +37,7 @@ else
   torchrun --standalone --nproc_per_node 2 -m distlm train "${T[@]}" parallel.dp_replicate=2 log.name=ddp 2>&1 | grep -E "step +50|error" | sed 's/^/[ddp] /'
   for i in $(seq 60); do grep -q '^exit' /tmp/hvd-build.log 2>/dev/null && break; sleep 5; done
   tail -3 /tmp/hvd-build.log; cp /tmp/hvd-build.log "$R/"
-  if PYTHONPATH=/tmp/site:$PYTHONPATH python3 -c "import horovod.torch as h; print('horovod', h.__version__, 'nccl', h.nccl_built())"; then
+  if PYTHONPATH=/tmp/site:$PYTHONPATH python3 -c "import horovod, horovod.torch as h; print('horovod', horovod.__version__, 'nccl', h.nccl_built())"; then
     PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m horovod.runner.launch -np 2 -H localhost:2 --gloo \
       python3 -m distlm train "${T[@]}" parallel.engine=horovod log.name=hvd 2>&1 | grep -E "step +50|rror" | head -5 | sed 's/^/[horovod] /'
     PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m horovod.runner.launch -np 2 -H localhost:2 --gloo \

@@ -39,13 +39,20 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     # torch's wheels carry NCCL (nvidia-nccl-*): point Horovod's CMake at it
     nccl=$("$PY" -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])" 2>/dev/null || true)
     extra=(HOROVOD_GPU_OPERATIONS=NCCL ${nccl:+HOROVOD_NCCL_HOME=$nccl})
+    so=$([ -n "$nccl" ] && find "$nccl" -name 'libnccl.so*' | head -1)
+    if [ -n "$so" ] && [ ! -e "$(dirname "$so")/libnccl.so" ]; then
+      # That package ships only libnccl.so.2; Horovod's FindNCCL looks for libnccl.so.
+      mkdir -p "$work/nccl-lib"; ln -sf "$so" "$work/nccl-lib/libnccl.so"; ln -sf "$so" "$work/nccl-lib/libnccl.so.2"
+      extra+=(HOROVOD_NCCL_LIB="$work/nccl-lib" HOROVOD_NCCL_INCLUDE="$(dirname "$(find "$nccl" -name nccl.h | head -1)")"
+              HOROVOD_NCCL_LINK=SHARED)
+    fi
   fi
   echo "building horovod 0.28.1 for $key (a few minutes) ..."
   mkdir -p "$wheel_dir"
   # CMAKE_POLICY_VERSION_MINIMUM: CMake 4 refuses the bundled gloo's cmake_minimum_required(< 3.5).
   # CXXFLAGS: GCC 13 no longer pulls <string>/<cstdint>/<stdexcept> in transitively; 0.28.1's headers relied on it.
   env CMAKE_POLICY_VERSION_MINIMUM=3.5 CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-      HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" "${extra[@]}" \
+      HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" "${extra[@]}" \
       "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$wheel_dir"
 fi
 [ -n "${TARGET:-}" ] && { "$PY" -m pip install -q --no-deps --target "$TARGET" "$wheel_dir"/horovod-*.whl; exit 0; }
