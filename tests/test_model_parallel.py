@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 
 from distlm.config import ConfigError, load_config
-from test_distributed import assert_matches, ckpt, run_worker, trace, train_here
+from test_distributed import assert_matches, check, ckpt, run_worker, torchrun, trace, train_here
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -163,3 +165,23 @@ def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
 def test_bad_model_parallel_config(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, ["model.vocab_size=256", *extra])
+
+
+# ---- the pipeline bubble sweep (distlm bench --pp-sweep) --------------------------------
+def test_pp_sweep_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "sweep"
+    args = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+            "model.vocab_size=128", "data.source=synthetic", "parallel.pp=2", "train.global_batch_size=8",
+            "parallel.timeout_s=60", f"log.root={tmp_path / 'runs'}"]
+    check([torchrun("--standalone", "--nproc_per_node=2", "-m", "distlm", "bench", *args, "--pp-sweep", "1,2,4",
+                    "--warmup", "1", "--steps", "1", "--out-dir", str(out))], tmp_path / "sweep.log")
+    rows = json.loads((out / "pp-sweep.json").read_text())
+    got = {(r["schedule"], r["microbatches"]) for r in rows}
+    assert got == {("naive", 1), ("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)}
+    for r in rows:  # theory: (pp-1)/(m+pp-1); naive (pp-1)/pp
+        want = 0.5 if r["schedule"] == "naive" else 1 / (r["microbatches"] + 1)
+        assert r["bubble_theory"] == pytest.approx(want) and r["step_ms"] > 0
+    table = [line for line in (out / "pp-sweep.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)
+    import matplotlib.image
+    assert matplotlib.image.imread(out / "pp-sweep.png").shape[0] > 100

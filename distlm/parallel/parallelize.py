@@ -1,7 +1,8 @@
 """parallelize(model, dims, cfg): every parallelism applied in one place, in one order.
 
-TP, then activation checkpointing, then torch.compile per block, then FSDP2, then
-allocation + init (``materialize``), then DDP.
+Pipeline split (each rank keeps its stages), then TP, then activation checkpointing,
+then torch.compile per block, then FSDP2, then allocation + init (``materialize``),
+then DDP.
 """
 from __future__ import annotations
 
