@@ -53,6 +53,9 @@ def inspect_model(trainer: Trainer) -> dict:
         "embedding_units": [isinstance(m, FSDPModule) for m in (gpt.tok_emb, gpt.head)],
         "group_timeouts_s": axes,
         "model_type": type(trainer.model).__name__,
+        # fused AdamW (CUDA) refuses a group mixing plain tensors and DTensors, or two meshes
+        "optimizer_groups_one_mesh": all(len({id(getattr(p, "device_mesh", None)) for p in g["params"]}) == 1
+                                         for g in trainer.optimizer.param_groups),
     }
 
 

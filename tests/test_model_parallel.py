@@ -130,6 +130,13 @@ def test_tp_keeps_tied_embedding(two):
     assert all(r["tied_after_training"] for r in two["tp2_sp"])
 
 
+@pytest.mark.parametrize("name", ["tp2_sp", "tp2_plain", "pp2_1f1b"])
+def test_optimizer_groups_hold_one_mesh_each(two, name):
+    """A learned position table stays a plain tensor under TP; sharing an AdamW group with
+    DTensors made the fused CUDA kernel fail (first seen on 2x H200)."""
+    assert all(r["optimizer_groups_one_mesh"] for r in two[name])
+
+
 # ---- pipeline parallel ----------------------------------------------------------------
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pp2_every_schedule_matches_one_process(root, two, reference, schedule):

@@ -14,14 +14,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for mod in model.modules():
         if isinstance(mod, nn.Embedding):
             no_decay_ids.add(id(mod.weight))
-    decay, no_decay, seen = [], [], set()
+    # One group per (decay, device mesh): fused AdamW runs one kernel per group and refuses
+    # a group that mixes plain tensors with DTensors (under TP a learned position table or
+    # a norm stays a plain, replicated tensor) or DTensors of different meshes.
+    groups: dict = {}
+    seen = set()
     for _, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (no_decay if p.ndim < 2 or id(p) in no_decay_ids else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        decay = not (p.ndim < 2 or id(p) in no_decay_ids)
+        groups.setdefault((decay, id(getattr(p, "device_mesh", None))), []).append(p)
+    keys = sorted(groups, key=lambda k: not k[0])  # decayed groups first, as before
+    return [{"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0} for k in keys]
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:

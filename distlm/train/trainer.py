@@ -36,7 +36,10 @@ class TrainingStopped(RuntimeError):
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, run_dir: str | Path | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.train.device, int(__import__("os").environ.get("LOCAL_RANK", 0)))
+        # torchrun sets LOCAL_RANK; horovodrun only HOROVOD_LOCAL_RANK (without it every Horovod
+        # rank took cuda:0 and NCCL refused: "ncclCommInitRank failed: invalid usage", 2x H200).
+        env = __import__("os").environ
+        self.device = resolve_device(cfg.train.device, int(env.get("LOCAL_RANK", env.get("HOROVOD_LOCAL_RANK", 0))))
         if dims is None and cfg.parallel.engine == "horovod":
             from distlm.parallel.horovod import init_horovod
             dims = init_horovod(cfg.parallel, self.device.type)
