@@ -213,11 +213,11 @@ def cmd_plan(args) -> int:
     if not ests:
         raise ConfigError(f"no layout of {args.gpus} GPUs divides global batch {gb} into micro-batches of {mb}")
     print(f"{args.config or 'config'}: {cfg.model.n_layer} layers x {cfg.model.d_model}, T={cfg.model.block_size}, "
-          f"global batch {gb}, micro-batch {mb}, {args.gpus} GPUs x {args.gpu_mem_gb:g} GB")
+          f"global batch {gb}, micro-batch {mb}, {args.gpus} GPUs x {args.gpu_mem_gb:g} GiB")
     print(format_table(ests))
     fits = [e for e in ests if e.fits]
     if not fits:
-        print(f"no layout fits in {args.gpu_mem_gb:g} GB: lower train.micro_batch_size, or add GPUs")
+        print(f"no layout fits in {args.gpu_mem_gb:g} GiB: lower train.micro_batch_size, or add GPUs")
         return 1
     print(explain(fits[0], ests, args.gpu_mem_gb))
     return 0
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="YAML file or preset name")
     s.add_argument("overrides", nargs="*", metavar="section.key=value")
     s.add_argument("--gpus", type=int, required=True)
-    s.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    s.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GiB per GPU (an 80 GB H100 has 79.6)")
     s.add_argument("--seq", type=int, default=None, help="sequence length (default: model.block_size)")
     s.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
     s.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the config's)")

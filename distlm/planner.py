@@ -2,7 +2,7 @@
 
     distlm plan --config gpt2-1.5b --gpus 4 --gpu-mem-gb 80 --global-batch 64 --micro-batch 8
 
-Estimates, per GPU, the largest pipeline stage's:
+Estimates, per GPU, the largest pipeline stage's (memory in GiB, as `distlm bench` reports it):
   parameters, gradients (fp32) and AdamW state (2 x fp32), divided by tp for the split
   matrices and by dp_shard under FSDP2; the FSDP2 all-gather buffers (two blocks, bf16);
   activations saved for backward, counted tensor by tensor for this model's blocks (see
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from distlm.config import ModelConfig
 
-GB = 1e9
+GIB = 2 ** 30   # memory, as torch.cuda.max_memory_allocated / 2**30 reports it (bench)
+GB = 1e9        # communication volume and link speed
 
 
 @dataclass
@@ -125,8 +126,8 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     ends = emb + head + extra if lay.pp == 1 else max(emb + extra, head or emb)
     n_local = (L * bs + ends) / t + L * br
     p_bytes = 4 * n_local / shard
-    params_gb, grads_gb, optim_gb = p_bytes / GB, p_bytes / GB, 2 * p_bytes / GB
-    buffers_gb = (2 * compute_bytes * (bs / t + br) / GB) if shard > 1 else 0.0
+    params_gb, grads_gb, optim_gb = p_bytes / GIB, p_bytes / GIB, 2 * p_bytes / GIB
+    buffers_gb = (2 * compute_bytes * (bs / t + br) / GIB) if shard > 1 else 0.0
     # activations of one microbatch on this stage, times those in flight
     fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
     per_layer = b * T * (4 * fp32_el + compute_bytes * cd_el)
@@ -136,9 +137,9 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
         # Only each block's input is kept; one block's tensors come back during its
         # recompute, by which time the logits are gone: the peak is the larger of the two.
         kept = b * T * 4 * d / (t if sequence_parallel and t > 1 else 1) * L
-        activations_gb = (kept * in_flight + max(logits, per_layer)) / GB
+        activations_gb = (kept * in_flight + max(logits, per_layer)) / GIB
     else:
-        activations_gb = (per_layer * L * in_flight + logits) / GB
+        activations_gb = (per_layer * L * in_flight + logits) / GIB
     total = params_gb + grads_gb + optim_gb + buffers_gb + activations_gb
     # communication per GPU per step (bytes sent), ring algorithms: 2(n-1)/n for all-reduce
     comm = 0.0
@@ -197,7 +198,7 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
 def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
     lay = best.layout
     why = [f"recommended: {lay.name} ({lay.overrides() or 'no parallel.* settings'})"]
-    why.append(f"  fits: {best.total_gb:.1f} GB of {gpu_mem_gb:.0f} GB per GPU "
+    why.append(f"  fits: {best.total_gb:.1f} GiB of {gpu_mem_gb:.0f} GiB per GPU "
                f"(params {best.params_gb:.1f}, grads {best.grads_gb:.1f}, AdamW {best.optim_gb:.1f}, "
                f"activations {best.activations_gb:.1f})")
     fits = [e for e in ests if e.fits]
@@ -215,7 +216,7 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
 
 
 def format_table(ests: list[Estimate]) -> str:
-    head = ("| layout | fits | params | grads | AdamW | FSDP buf | activations | total GB | comm GB/step "
+    head = ("| layout | fits | params | grads | AdamW | FSDP buf | activations | total GiB | comm GB/step "
             "| bubble | est. ms/step | est. tok/s |")
     rows = [head, "|" + "---|" * 12]
     for e in ests:

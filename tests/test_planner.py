@@ -55,8 +55,8 @@ def test_estimate_within_25_percent_of_measured_peak(extra, batch, ac, tmp_path)
     cfg = load_config(None, SMALL + extra)
     measured = measured_peak_bytes(cfg, batch, ac, tmp_path)
     est = estimate(cfg.model, Layout(1, 1, 1, 1, ac), batch, batch, 80, compute_bytes=4)
-    ratio = est.total_gb * 1e9 / measured
-    assert 0.75 <= ratio <= 1.25, f"estimate {est.total_gb * 1e3:.1f} MB vs measured {measured / 1e6:.1f} MB"
+    ratio = est.total_gb * 2**30 / measured
+    assert 0.75 <= ratio <= 1.25, f"estimate {est.total_gb * 2**10:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
 
 
 def test_sharding_divides_model_state():
@@ -82,7 +82,7 @@ def test_plan_command_prints_a_ranked_table_and_a_recommendation(capsys):
 
 def test_plan_says_when_nothing_fits(capsys):
     assert main(["plan", "--config", "gpt2-1.5b", "--gpus", "1", "--gpu-mem-gb", "4"]) == 1
-    assert "no layout fits in 4 GB" in capsys.readouterr().out
+    assert "no layout fits in 4 GiB" in capsys.readouterr().out
 
 
 def test_plan_rejects_a_split_the_model_cannot_take(capsys):

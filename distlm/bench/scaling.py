@@ -97,7 +97,7 @@ def markdown(rows: list[dict], mode: str, serial: float, notes: list[str]) -> st
         return "n/a" if v is None else f"{100 * v:.1f}%"
     lines = [f"{mode} scaling on {rows[0]['device']}; Amdahl serial fraction s = {serial:.3f}", "",
              "| GPUs | global/micro batch | tok/s | tok/s/GPU | step ms | speedup | weak eff | strong eff | "
-             "mem GB/GPU | exposed comm ms | R = T_comp/T_comm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mem GiB/GPU | exposed comm ms | R = T_comp/T_comm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['gpus']} | {r['global_batch']}/{r['micro']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['per_gpu']:,.0f} | {r['step_ms']:.1f} | {r['speedup']:.2f} | "

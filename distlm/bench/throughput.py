@@ -154,7 +154,7 @@ def markdown_row(r: dict) -> str:
 
 
 HEADER = ("| date | device | GPUs | layout | model | batch (global/micro) | tok/s | tok/s/GPU | TFLOP/s/GPU | "
-          "MFU % | peak mem GB | exposed comm ms | torch |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+          "MFU % | peak mem GiB | exposed comm ms | torch |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 
 
 def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
@@ -169,7 +169,7 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
     mfu = "n/a (peak unknown for this device; set log.peak_tflops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     print(f"{r['achieved_tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}; peak {r['peak_tflops']} TF; {FORMULA}")
     if r["peak_mem_gb"] is not None:
-        print(f"peak memory {r['peak_mem_gb']:.2f} GB per GPU")
+        print(f"peak memory {r['peak_mem_gb']:.2f} GiB per GPU (max over ranks)")
     if json_out:
         Path(json_out).write_text(json.dumps(r, indent=1))
     if results:
