@@ -11,6 +11,8 @@
 # Everything lands in $OUT/dp4.tgz (rewritten after each item, so a timeout keeps what finished) plus a
 # summary on stdout. CPU dry run of every command with a tiny model, 2 processes, 1 step:
 #   DRY=1 bash benchmarks/gpu_dp4.sh
+# ONLY="4 5" runs only those items (the Horovod build, item 1, always starts); BEFORE_HOROVOD="CMD" runs CMD
+# (other benchmarks) while the build goes on, before item 5.
 # SRC=DIR runs the code in DIR (a `git archive COMMIT distlm scripts` snapshot) instead of the working tree,
 # so edits made in the checkout while the call is prepared do not change what is measured; COMMIT names it.
 set -uo pipefail
@@ -32,6 +34,7 @@ else
 fi
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$NP")
 left() { echo $((BUDGET - SECONDS)); }
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 lim() { local l=$(($(left) - $2)); echo $((l < $1 ? l : $1)); }   # lim CAP RESERVE: a hang cannot eat the rest
 # run NAME SECONDS CMD...: under a time limit (timeout signals the whole process group), log to $R/NAME.log
 run() {
@@ -89,20 +92,22 @@ B=(--config gpt2-124m-1024 data.source=synthetic train.compile=true train.on_nan
 
 # ---- 2. DDP weak scaling 1,2,4 -------------------------------------------------------------------------
 t2=$SECONDS
-run ddp_scaling $(lim 270 20) "$PY" -m distlm bench --scaling "$SIZES" --axis dp_replicate --mode weak "${B[@]}" \
+want 2 && run ddp_scaling $(lim 270 20) "$PY" -m distlm bench --scaling "$SIZES" --axis dp_replicate --mode weak "${B[@]}" \
   --warmup $WU --steps $ST --out-dir "$R/dp_replicate"
-quiet < "$R/ddp_scaling.log" | grep -E "^\||^weak" ; rescue "$R/dp_replicate"; pack
+[ -f "$R/ddp_scaling.log" ] && quiet < "$R/ddp_scaling.log" | grep -E "^\||^weak" ; rescue "$R/dp_replicate"; pack
 t_ddp=$((SECONDS - t2))
 
 # ---- 3. FSDP2 weak scaling: 1,2,4 if there is room for items 4 and 5 after it, else 2,4 ----------------
-if [ "$(left)" -ge $((t_ddp + 200)) ] || [ "$DRY" = 1 ]; then
+if ! want 3; then
+  :
+elif [ "$(left)" -ge $((t_ddp + 200)) ] || [ "$DRY" = 1 ]; then
   run fsdp_scaling $(lim 270 20) "$PY" -m distlm bench --scaling "$SIZES" --axis dp_shard --mode weak "${B[@]}" \
     --warmup $WU --steps $ST --out-dir "$R/dp_shard"
 else  # start at 2 GPUs with the same 64 sequences per GPU (weak mode scales the first size's global batch)
   run fsdp_scaling $(lim 270 20) "$PY" -m distlm bench --scaling 2,4 --axis dp_shard --mode weak "${B[@]}" \
     train.global_batch_size=128 --warmup $WU --steps $ST --out-dir "$R/dp_shard"
 fi
-quiet < "$R/fsdp_scaling.log" | grep -E "^\||^weak"; rescue "$R/dp_shard"; pack
+[ -f "$R/fsdp_scaling.log" ] && quiet < "$R/fsdp_scaling.log" | grep -E "^\||^weak"; rescue "$R/dp_shard"; pack
 
 # ---- 4. gpt2-1.5b, FSDP2 over 4 GPUs, full activation checkpointing -----------------------------------
 big() {  # big MICRO
@@ -111,7 +116,9 @@ big() {  # big MICRO
     train.global_batch_size=$BIG_GB train.micro_batch_size=$1 "${TINY[@]}" --warmup 3 --steps 6 \
     --results "$R/bench.md" --json "$R/fsdp-1.5b-m$1.json"
 }
-if [ "$(left)" -ge 70 ]; then
+if ! want 4; then
+  :
+elif [ "$(left)" -ge 70 ]; then
   big $BIG_MB; rc=$?
   grep -E "tok/s|MFU|memory|exposed" "$R/fsdp_1.5b_m$BIG_MB.log" | grep -v "^W1" | sed "s/^/[1.5b m$BIG_MB] /"
   if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(left)" -ge 90 ]; then
@@ -123,6 +130,10 @@ else
   echo "[1.5b] skipped: $(left) s left"
 fi
 pack
+
+if [ -n "${BEFORE_HOROVOD:-}" ]; then
+  s0=$SECONDS; eval "$BEFORE_HOROVOD"; echo "[before horovod] rc $?, wall $((SECONDS - s0)) s" | tee -a "$R/timeline.txt"; pack
+fi
 
 # ---- 5. Horovod (NCCL) vs torch DDP, 50 steps of distlm train ------------------------------------------
 T=(--config gpt2-124m-1024 data.source=synthetic train.compile=true train.on_nan=off train.max_steps=$TRAIN_STEPS

@@ -24,6 +24,7 @@ from distlm.config import load_config
 from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims
 from distlm.parallel.grad import clip_grad_norm, offloaded_norm
+from distlm.train.optim import one_mesh_per_group
 from distlm.train.trainer import Trainer, build_model
 
 
@@ -54,8 +55,8 @@ def inspect_model(trainer: Trainer) -> dict:
         "group_timeouts_s": axes,
         "model_type": type(trainer.model).__name__,
         # fused AdamW (CUDA) refuses a group mixing plain tensors and DTensors, or two meshes
-        "optimizer_groups_one_mesh": all(len({id(getattr(p, "device_mesh", None)) for p in g["params"]}) == 1
-                                         for g in trainer.optimizer.param_groups),
+        "optimizer_groups_one_mesh": one_mesh_per_group(trainer.optimizer.param_groups),
+        "optimizer_groups": len(trainer.optimizer.param_groups),
     }
 
 

@@ -14,23 +14,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for mod in model.modules():
         if isinstance(mod, nn.Embedding):
             no_decay_ids.add(id(mod.weight))
-    # One group per (decay, device mesh): fused AdamW runs one kernel per group and refuses
-    # a group that mixes plain tensors with DTensors (under TP a learned position table or
-    # a norm stays a plain, replicated tensor) or DTensors of different meshes.
-    groups: dict = {}
-    seen = set()
+    decay, no_decay, seen = [], [], set()
     for _, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        decay = not (p.ndim < 2 or id(p) in no_decay_ids)
-        groups.setdefault((decay, id(getattr(p, "device_mesh", None))), []).append(p)
-    keys = sorted(groups, key=lambda k: not k[0])  # decayed groups first, as before
-    return [{"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0} for k in keys]
+        (no_decay if p.ndim < 2 or id(p) in no_decay_ids else decay).append(p)
+    # Two groups whatever the layout: a checkpoint's optimizer state loads only into the
+    # same group structure, and it must load under any other layout.
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def one_mesh_per_group(groups: list[dict]) -> bool:
+    return all(len({id(getattr(p, "device_mesh", None)) for p in g["params"]}) <= 1 for g in groups)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    # fused AdamW is one kernel per step on CUDA; on CPU the foreach path is the fast one.
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=device_type == "cuda" or None)
+    groups = param_groups(model, cfg.weight_decay)
+    # Fused AdamW is one kernel per step on CUDA. Its kernel, and the foreach path, refuse a
+    # group that mixes plain tensors with DTensors (under TP a learned position table stays
+    # a plain replicated tensor; first seen on 2x H200): such layouts step tensor by tensor.
+    homogeneous = one_mesh_per_group(groups)
+    kw = dict(fused=True) if device_type == "cuda" and homogeneous else {} if homogeneous else dict(foreach=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kw)
