@@ -130,14 +130,12 @@ def test_tp_keeps_tied_embedding(two):
     assert all(r["tied_after_training"] for r in two["tp2_sp"])
 
 
-def test_optimizer_groups_and_fused_adamw(two):
-    """Under TP a learned position table stays a plain tensor beside DTensors, which fused
-    AdamW (CUDA) and the foreach path refuse in one group (first seen on 2x H200): such
-    layouts step tensor by tensor.
-    The group structure itself stays the same in every layout, so checkpoints load anywhere."""
-    assert not any(r["optimizer_groups_one_mesh"] for r in two["tp2_sp"])  # mixed: the per-tensor path
-    assert all(r["optimizer_groups_one_mesh"] for r in two["pp2_1f1b"])
-    assert {r["optimizer_groups"] for name in ("tp2_sp", "pp2_1f1b") for r in two[name]} == {2}
+def test_every_parameter_is_a_dtensor_on_one_mesh_under_tp(two):
+    """A learned position table and norms without SP used to stay plain tensors beside
+    DTensors, which fused AdamW (CUDA) and the foreach path refuse in one group (first seen
+    on 2x H200). Now each is a replicated DTensor, and AdamW keeps its two groups."""
+    for name in ("tp2_sp", "tp2_plain", "pp2_1f1b"):
+        assert all(r["optimizer_groups_one_mesh"] and r["optimizer_groups"] == 2 for r in two[name]), name
 
 
 # ---- pipeline parallel ----------------------------------------------------------------

@@ -13,6 +13,7 @@ computed on those shards, so no rank ever holds the full (B, T, V) logits.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -73,4 +74,27 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
             plan["attn_norm"] = SequenceParallel(use_local_output=True)
             plan["mlp_norm"] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+    replicate_rest(model, tp_mesh)
     return model
+
+
+def replicate_rest(model: nn.Module, tp_mesh) -> None:
+    """Make every parameter the plan left plain (a learned position table; norms without
+    SP) a replicated DTensor, computing on local tensors as before. Then every parameter is
+    a DTensor on one mesh: fused AdamW and the foreach path refuse a group that mixes the
+    two (first seen on 2x H200), and the gradient norm needs no special case.
+
+    Each rank computes the same replicated values, so their gradients are already equal:
+    ``to_local`` keeps Replicate in the backward and nothing is reduced."""
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    def to_dtensor(mod, inputs, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+
+    def to_local(mod, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for mod in model.modules():
+        if any(not isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
+            distribute_module(mod, tp_mesh, input_fn=to_dtensor, output_fn=to_local)

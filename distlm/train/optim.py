@@ -27,7 +27,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def one_mesh_per_group(groups: list[dict]) -> bool:
-    return all(len({id(getattr(p, "device_mesh", None)) for p in g["params"]}) <= 1 for g in groups)
+    # Meshes compare by value (two slices of one layout are equal objects, not the same one).
+    return all(len({getattr(p, "device_mesh", None) for p in g["params"]}) <= 1 for g in groups)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
