@@ -57,6 +57,8 @@ def analyse(results: list[dict], mode: str) -> list[dict]:
             "mem_gb": r["peak_mem_gb"], "exposed_ms": r["exposed_comm_s"] and 1e3 * r["exposed_comm_s"],
             "R": r["compute_comm_ratio"], "global_batch": r["global_batch_size"], "micro": r["micro_batch_size"],
             "device": r["device"],
+            # classify runs: time per epoch of the training split (an epoch is steps_per_epoch steps)
+            "epoch_s": r.get("epoch_s"), "examples_per_s": r.get("examples_per_s"),
         })
     return rows
 
@@ -95,14 +97,17 @@ def markdown(rows: list[dict], mode: str, serial: float, notes: list[str]) -> st
 
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.1f}%"
+    epochs = any(r.get("epoch_s") is not None for r in rows)
     lines = [f"{mode} scaling on {rows[0]['device']}; Amdahl serial fraction s = {serial:.3f}", "",
              "| GPUs | global/micro batch | tok/s | tok/s/GPU | step ms | speedup | weak eff | strong eff | "
-             "mem GB/GPU | exposed comm ms | R = T_comp/T_comm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mem GB/GPU | exposed comm ms | R = T_comp/T_comm |" + (" examples/s | epoch s |" if epochs else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if epochs else "")]
     for r in rows:
         lines.append(f"| {r['gpus']} | {r['global_batch']}/{r['micro']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['per_gpu']:,.0f} | {r['step_ms']:.1f} | {r['speedup']:.2f} | "
                      f"{pct(r['weak_eff'])} | {pct(r['strong_eff'])} | {f(r['mem_gb'], '.1f')} | "
-                     f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.1f')} |")
+                     f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.1f')} |"
+                     + (f" {f(r.get('examples_per_s'), ',.0f')} | {f(r.get('epoch_s'), '.2f')} |" if epochs else ""))
     if notes:
         lines += ["", "Advisor:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

@@ -126,6 +126,8 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "date": time.strftime("%Y-%m-%d"),
     }
+    if trainer.task is not None:  # classify: time per epoch, examples/s (tokens/s counts padded rows)
+        result.update(trainer.task.bench_fields(trainer, step_s))
     return result
 
 
@@ -158,6 +160,9 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
     print(f"{r['achieved_tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}; peak {r['peak_tflops']} TF; {FORMULA}")
     if r["peak_mem_gb"] is not None:
         print(f"peak memory {r['peak_mem_gb']:.2f} GB per GPU")
+    if "epoch_s" in r:
+        print(f"classify: {r['examples_per_s']:,.0f} examples/s, {r['steps_per_epoch']} steps per epoch of "
+              f"{r['train_examples']:,} examples: {r['epoch_s']:.2f} s per epoch")
     if json_out:
         Path(json_out).write_text(json.dumps(r, indent=1))
     if results:

@@ -48,11 +48,13 @@ def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
     return manifest, data_dir
 
 
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> tuple[torch.nn.Module, GPT]:
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device,
+                module_fn=None) -> tuple[torch.nn.Module, GPT]:
     """Meta device -> shard -> allocate -> init -> DDP: no rank ever holds the whole model
-    when it is sharded. Returns (the wrapped model to train, the plain GPT inside)."""
+    when it is sharded. Returns (the wrapped model to train, the plain GPT inside).
+    ``module_fn(model_cfg)`` builds a GPT subclass instead (a task's model, e.g. the classifier)."""
     with torch.device("meta"):
-        inner = GPT(cfg.model)
+        inner = (module_fn or GPT)(cfg.model)
 
     def materialize(m: GPT) -> None:
         # FSDP2's CPU offload wants the sharded parameters allocated in host memory; the

@@ -20,6 +20,7 @@ from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims, init_distributed
 from distlm.parallel.comm import TorchComm
 from distlm.parallel.grad import clip_grad_norm, grad_sync
+from distlm.tasks import build_task
 from distlm.train import checkpoint as ckpt
 from distlm.train.faults import StopFlag, Watchdog, nonfinite_grads
 from distlm.train.logger import RunLogger, console_line
@@ -49,19 +50,26 @@ class Trainer:
         if cfg.init.from_hf:  # the architecture comes from the Hugging Face folder
             from distlm.interop import apply_hf_model_config
             apply_hf_model_config(cfg.model, cfg.init.from_hf, block_size=cfg.model.block_size)
-        self.manifest, self.data_dir = data_dims(cfg)
+        # A task other than the LM (task.name=classify) supplies data, model, loader, loss and
+        # evaluation; for the LM, self.task is None and every line below runs as before.
+        self.task = build_task(cfg)
+        self.manifest, self.data_dir = (self.task.data_dims(cfg, self.comm, self.dims.is_main) if self.task
+                                        else data_dims(cfg))
         if cfg.init.from_hf and self.manifest and int(self.manifest["tokenizer"]["vocab_size"]) != cfg.model.vocab_size:
             raise ConfigError(f"init.from_hf={cfg.init.from_hf} has a {cfg.model.vocab_size}-token vocabulary but "
                               f"{cfg.data.dir} was prepared with {self.manifest['tokenizer']['name']} "
                               f"({self.manifest['tokenizer']['vocab_size']} tokens); prepare it with that tokenizer")
         self.run_dir = Path(run_dir) if run_dir else self._run_dir()
         torch.manual_seed(cfg.train.seed + self.dims.rank)  # dropout differs per rank, by design
-        self.model, self.gpt = build_model(cfg, self.dims, self.device)
+        self.model, self.gpt = (self.task.build_model(cfg, self.dims, self.device) if self.task
+                                else build_model(cfg, self.dims, self.device))
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         # Compiled, the fp32 cast, log-softmax and gather over the vocabulary fuse into one
         # pass instead of materialising fp32 logits (3.3 GB at B=16, T=1024, V=50k).
         self.loss_fn = torch.compile(lm_loss) if cfg.train.compile else lm_loss
-        self.loader = self._build_loader()
+        self.loader = self.task.build_loader(self) if self.task else self._build_loader()
+        if self.task:
+            self.loss_fn = self.task.loss_fn
         self.step = 0
         self.tokens_seen = 0
         self.best_val: Optional[float] = None
@@ -142,6 +150,8 @@ class Trainer:
             load_tokenizer(self.manifest["tokenizer"]["name"], self.data_dir).save(tok_dir)
             ckpt.atomic_write_text(tok_dir / "tokenizer.meta.json",
                                    __import__("json").dumps(self.manifest["tokenizer"], indent=1))
+        if self.task:
+            self.task.write_run_files(self.run_dir)
 
     # ---- state --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -231,6 +241,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.task:
+            return self.task.evaluate(self)
         if self.val_blocks is None:
             return float("nan")
         self.model.eval()
