@@ -25,10 +25,11 @@ def scores(confusion: np.ndarray) -> dict:
 def confusion_text(confusion: np.ndarray, labels: list[str]) -> str:
     """The matrix as aligned text, for the console and the log."""
     c = np.asarray(confusion, dtype=np.int64)
-    w = max(6, max(len(s) for s in labels) + 1, len(str(int(c.max(initial=0)))) + 1)
-    lines = ["true \\ predicted".ljust(w) + "".join(s[:w - 1].rjust(w) for s in labels)]
+    first = max(len("true \\ predicted"), *(len(s) for s in labels)) + 2
+    widths = [max(len(s), len(str(int(c[:, j].max(initial=0))))) + 2 for j, s in enumerate(labels)]
+    lines = ["true \\ predicted".ljust(first) + "".join(s.rjust(w) for s, w in zip(labels, widths))]
     for name, row in zip(labels, c):
-        lines.append(name[:w - 1].ljust(w) + "".join(str(int(v)).rjust(w) for v in row))
+        lines.append(name.ljust(first) + "".join(str(int(v)).rjust(w) for v, w in zip(row, widths)))
     return "\n".join(lines)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -170,11 +169,3 @@ class ClassifyTask:
             w.writerows(rows)
         tmp.replace(path)
 
-
-def accuracy_line(result: dict) -> str:
-    return (f"accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f} "
-            f"({result['examples']:,} examples; majority class {result['majority_baseline']:.4f})")
-
-
-def nan_safe(v: float) -> float | None:
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
