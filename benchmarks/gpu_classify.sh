@@ -40,8 +40,8 @@ for spec in "${RUNS[@]}"; do
     train.global_batch_size=$gbs train.micro_batch_size=$micro $extra \
     --warmup 5 --steps 20 --out-dir "$R/$name" > "$R/$name.log" 2>&1
   rc=$?
-  if [ $rc -ne 0 ]; then echo "[$name] failed ($rc):"; tail -15 "$R/$name.log"; continue; fi
-  grep -E "^\| [0-9]|^weak|Advisor|^- " "$R/$name/scaling-weak.md" | cut -c1-400
+  if [ $rc -ne 0 ]; then echo "[$name] failed ($rc):"; tail -15 "$R/$name.log"; fi
+  [ -f "$R/$name/scaling-weak.md" ] && grep -E "^\| [0-9]|^weak|Advisor|^- " "$R/$name/scaling-weak.md" | cut -c1-400
 done
 
 # The accuracy a real run reaches under DDP on all GPUs (600 steps of 32 x NGPU rows; evaluation at the end).
@@ -54,5 +54,30 @@ if [ $((SECONDS - START)) -lt 215 ]; then
 else
   echo "[ddp-train] skipped: past 215 s"
 fi
+# One table and one plot over every run: time per epoch, speedup, efficiency, exposed comm, R.
+python3 - "$R" <<'PY' 2>&1 | tee "$R/summary.md"
+import json, sys
+from pathlib import Path
+try:
+    import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
+R = Path(sys.argv[1]); runs = sorted(R.glob("*/scaling-weak.json"), key=lambda p: p.stat().st_mtime)
+print("| run | GPUs | global/micro | step ms | epoch s | speedup | weak eff | exposed comm ms | R |")
+print("|---|---|---|---|---|---|---|---|---|")
+fig, ax = plt.subplots(figsize=(6.5, 4), dpi=110) if plt else (None, None)
+for path in runs:
+    rows = json.loads(path.read_text())["rows"]
+    for r in rows:
+        f = lambda v, s: "n/a" if v is None else format(v, s)
+        print(f"| {path.parent.name} | {r['gpus']} | {r['global_batch']}/{r['micro']} | {r['step_ms']:.1f} | "
+              f"{f(r.get('epoch_s'), '.2f')} | {r['speedup']:.2f} | {100 * r['weak_eff']:.0f}% | "
+              f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.2f')} |")
+    if ax is not None:
+        ax.plot([r["gpus"] for r in rows], [r["epoch_s"] for r in rows], "o-", label=path.parent.name)
+if ax is not None:
+    ax.set(xlabel="GPUs", ylabel="time per epoch (s)", title="classification, DDP weak scaling", xticks=[1, 2, 4])
+    ax.grid(alpha=0.3); ax.legend(fontsize=8); fig.tight_layout(); fig.savefig(R / "epoch-time.png")
+PY
 echo "total $((SECONDS - START)) s"
 tar -czf "$OUT/classify.tgz" -C /tmp res-classify

@@ -118,7 +118,9 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     g = [r["gpus"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
+    epochs = all(r.get("epoch_s") for r in rows)  # classify runs: a third panel, time per epoch
+    fig, axes = plt.subplots(1, 3 if epochs else 2, figsize=(13.5 if epochs else 9, 3.6), dpi=110)
+    a, b = axes[0], axes[1]
     a.plot(g, [r["tokens_per_s"] for r in rows], "o-", label="measured")
     a.plot(g, [rows[0]["tokens_per_s"] * n / g[0] for n in g], "--", color="gray", label="linear")
     a.set(xlabel="GPUs", ylabel="tokens/s", title="throughput")
@@ -127,7 +129,12 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
     b.plot(g, eff, "o-")
     b.axhline(100, color="gray", ls="--")
     b.set(xlabel="GPUs", ylabel="%", title=f"{mode}-scaling efficiency", ylim=(0, 110))
-    for ax in (a, b):
+    if epochs:
+        axes[2].plot(g, [r["epoch_s"] for r in rows], "o-", label="measured")
+        axes[2].plot(g, [rows[0]["epoch_s"] * g[0] / n for n in g], "--", color="gray", label="linear")
+        axes[2].set(xlabel="GPUs", ylabel="s", title="time per epoch")
+        axes[2].legend()
+    for ax in axes:
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
     fig.tight_layout()
