@@ -157,6 +157,7 @@ def cmd_predict(args) -> int:
         for i, (k, p) in enumerate(zip(pred, probs)):
             w.writerow([i, labels[k]] + [f"{float(v):.6f}" for v in p])
         text = buf.getvalue()
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, text)
     print(f"wrote {len(rows):,} predictions to {out} ({folder})")
     return 0

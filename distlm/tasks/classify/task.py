@@ -83,7 +83,7 @@ class ClassifyTask:
         t = cfg.task
         model, inner = build_model(cfg, dims, device, lambda mc: Classifier(mc, len(self.labels), t.pooling,
                                                                             t.attention))
-        if t.init_from and cfg.train.resume == "never":  # a resume brings its own weights
+        if t.init_from:  # always: a resume then overwrites it, and resume=auto with no checkpoint yet keeps it
             self._load_trunk(model)
         return model, inner
 
