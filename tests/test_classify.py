@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -269,7 +270,7 @@ def parallel_runs(root, toy) -> dict:
                 f"train.resume={root / 'ddp2' / 'checkpoints' / 'step_0000003'}")]
     plan, out = root / "plan.json", root / "results.json"
     plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")  # keeps PYTHONPATH: the children import this tree
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # keeps PYTHONPATH: the children import this tree
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
