@@ -204,8 +204,7 @@ class GPT(nn.Module):
             _copy_shard(p, full)
         self.init_buffers(device)
 
-    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0, attn_mask=None,
-                causal: bool = True) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
         T = idx.shape[1]
         x = self.tok_emb(idx) if self.tok_emb is not None else idx
         if self.pos_emb is not None:
@@ -217,7 +216,7 @@ class GPT(nn.Module):
             rope = (self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T])
         x = self.drop(x)
         for i, block in self.blocks.items():
-            x = block(x, rope, cache.layer(int(i)) if cache is not None else None, start_pos, attn_mask, causal)
+            x = block(x, rope, cache.layer(int(i)) if cache is not None else None, start_pos)
         if self.norm is not None:
             x = self.norm(x)
         return self.head(x) if self.head is not None else x

@@ -50,8 +50,9 @@ class Trainer:
         if cfg.init.from_hf:  # the architecture comes from the Hugging Face folder
             from distlm.interop import apply_hf_model_config
             apply_hf_model_config(cfg.model, cfg.init.from_hf, block_size=cfg.model.block_size)
-        # A task other than the LM (task.name=classify) supplies data, model, loader, loss and
-        # evaluation; for the LM, self.task is None and every line below runs as before.
+        # A task other than the LM (task.name=classify) supplies its data, model (through
+        # build_model), loader, loss and evaluation; for the LM, self.task is None and every
+        # line below runs as before.
         self.task = build_task(cfg)
         self.manifest, self.data_dir = (self.task.data_dims(cfg, self.comm, self.dims.is_main) if self.task
                                         else data_dims(cfg))
@@ -61,15 +62,12 @@ class Trainer:
                               f"({self.manifest['tokenizer']['vocab_size']} tokens); prepare it with that tokenizer")
         self.run_dir = Path(run_dir) if run_dir else self._run_dir()
         torch.manual_seed(cfg.train.seed + self.dims.rank)  # dropout differs per rank, by design
-        self.model, self.gpt = (self.task.build_model(cfg, self.dims, self.device) if self.task
-                                else build_model(cfg, self.dims, self.device))
+        self.model, self.gpt = build_model(cfg, self.dims, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         # Compiled, the fp32 cast, log-softmax and gather over the vocabulary fuse into one
         # pass instead of materialising fp32 logits (3.3 GB at B=16, T=1024, V=50k).
         self.loss_fn = torch.compile(lm_loss) if cfg.train.compile else lm_loss
-        self.loader = self.task.build_loader(self) if self.task else self._build_loader()
-        if self.task:
-            self.loss_fn = self.task.loss_fn
+        self.loader = self._build_loader()
         self.step = 0
         self.tokens_seen = 0
         self.best_val: Optional[float] = None
@@ -85,6 +83,8 @@ class Trainer:
             self.optimizer = wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps,
                                             cfg.parallel.fp16_compression)
         self._write_run_files()
+        if self.task:
+            self.loss_fn = self.task.loss_fn  # in place of lm_loss
 
     # ---- set-up -------------------------------------------------------------------
     def _run_dir(self) -> Path:
@@ -99,6 +99,8 @@ class Trainer:
         return run_dir
 
     def _build_loader(self) -> BatchLoader:
+        if self.task:
+            return self.task.build_loader(self)
         t, m = self.cfg.train, self.cfg.model
         blocks = None
         if self.data_dir is not None:

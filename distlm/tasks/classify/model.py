@@ -52,7 +52,7 @@ class Classifier(GPT):
 
     def __init__(self, cfg: ModelConfig, num_classes: int, pooling: str = "mean", attention: str = "bidirectional"):
         super().__init__(cfg)
-        self.head = None  # the trunk ends at the final norm; GPT.forward then returns hidden states
+        self.head = None  # the trunk ends at the final norm
         self.pooling = pooling
         self.causal = attention == "causal"
         self.cls_head = nn.Linear(cfg.d_model, num_classes)
@@ -67,8 +67,24 @@ class Classifier(GPT):
         # only when the batch has padding (a full batch runs the unmasked kernel).
         if padded and not self.causal:
             mask = valid_positions(lengths, ids.shape[1])[:, None, None, :]  # (B, 1, 1, T): keys only
-        h = super().forward(ids, attn_mask=mask, causal=self.causal)
-        return self.cls_head(pool(h, lengths, self.pooling))
+        return self.cls_head(pool(self.trunk(ids, mask), lengths, self.pooling))
+
+    def trunk(self, ids: torch.Tensor, mask) -> torch.Tensor:
+        """GPT.forward's embedding and blocks, with the mask and attention direction passed
+        to every block, ending at the final norm. (Kept here rather than as arguments of
+        GPT.forward, which the pipeline-parallel work reshapes; on top of that work this
+        is GPT.embed + GPT.rope_at + the block loop.)"""
+        T = ids.shape[1]
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=ids.device))
+        elif self.cfg.position == "sinusoidal" and self.sinusoid.numel():
+            x = x + self.sinusoid[:T].to(x.dtype)
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.cfg.position == "rope" else None
+        x = self.drop(x)
+        for block in self.blocks.values():
+            x = block(x, rope, None, 0, mask, self.causal)
+        return self.norm(x)
 
     def num_params(self, non_embedding: bool = True) -> int:
         cfg = self.cfg

@@ -22,8 +22,27 @@ from distlm.tasks.classify import data as cdata
 from distlm.tasks.classify.loader import ClassifyLoader, eval_batches
 from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
 from distlm.tasks.classify.model import Classifier, classify_loss
+from distlm.train import checkpoint as ckpt
 
 METRIC_COLUMNS = ["step", "val_loss", "accuracy", "macro_f1", "examples"]
+
+
+def classifier_for(cfg: Config) -> Classifier:
+    """The model build_model makes (on the meta device); the label count comes from the data."""
+    labels = cdata.load_manifest(Path(cfg.data.dir))["labels"]
+    return Classifier(cfg.model, len(labels), cfg.task.pooling, cfg.task.attention)
+
+
+def load_trunk(model, init_from: str) -> None:
+    """An LM run's weights, by name, into the classifier's trunk (everything but its head).
+    Collective (DCP); called on the allocated, possibly sharded, not yet DDP-wrapped model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from distlm.train.safe_dcp import safe_load
+    folder = ckpt.resolve_checkpoint(init_from)
+    sd = {k: v for k, v in get_state_dict(model, [])[0].items() if not k.startswith("cls_head.")}
+    ckpt._check_shapes(folder, "model", sd)
+    safe_load({"model": sd}, folder)
+    set_state_dict(model, [], model_state_dict=sd, optim_state_dict={}, options=StateDictOptions(strict=False))
 
 
 def default_data_dir(cfg: Config) -> Path:
@@ -66,7 +85,6 @@ class ClassifyTask:
 
     def _take_lm_architecture(self, cfg: Config) -> None:
         from distlm.config import config_from_dict
-        from distlm.train import checkpoint as ckpt
         folder = ckpt.resolve_checkpoint(cfg.task.init_from)
         lm = config_from_dict(ckpt.read_meta(folder)["config"])
         if lm.task.name != "lm":
@@ -75,27 +93,7 @@ class ClassifyTask:
         if meta.is_file() and json.loads(meta.read_text())["name"] != "gpt2":
             raise ConfigError(f"task.init_from={cfg.task.init_from}: trained with tokenizer "
                               f"{json.loads(meta.read_text())['name']}; classification data uses gpt2")
-        self.init_checkpoint = folder
         cfg.model = lm.model  # the trunk's shape is the checkpoint's, whatever the preset said
-
-    def build_model(self, cfg: Config, dims, device) -> tuple[torch.nn.Module, Classifier]:
-        from distlm.train.setup import build_model
-        t = cfg.task
-        model, inner = build_model(cfg, dims, device, lambda mc: Classifier(mc, len(self.labels), t.pooling,
-                                                                            t.attention))
-        if t.init_from:  # always: a resume then overwrites it, and resume=auto with no checkpoint yet keeps it
-            self._load_trunk(model)
-        return model, inner
-
-    def _load_trunk(self, model) -> None:
-        """The LM's weights by name, everything but its head; collective (DCP)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-        from distlm.train import checkpoint as ckpt
-        from distlm.train.safe_dcp import safe_load
-        sd = {k: v for k, v in get_state_dict(model, [])[0].items() if not k.startswith("cls_head.")}
-        ckpt._check_shapes(self.init_checkpoint, "model", sd)
-        safe_load({"model": sd}, self.init_checkpoint)
-        set_state_dict(model, [], model_state_dict=sd, optim_state_dict={}, options=StateDictOptions(strict=False))
 
     def build_loader(self, trainer) -> ClassifyLoader:
         t, dims = self.cfg.train, trainer.dims
