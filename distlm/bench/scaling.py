@@ -97,17 +97,19 @@ def markdown(rows: list[dict], mode: str, serial: float, notes: list[str]) -> st
 
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.1f}%"
-    epochs = any(r.get("epoch_s") is not None for r in rows)
     lines = [f"{mode} scaling on {rows[0]['device']}; Amdahl serial fraction s = {serial:.3f}", "",
              "| GPUs | global/micro batch | tok/s | tok/s/GPU | step ms | speedup | weak eff | strong eff | "
-             "mem GB/GPU | exposed comm ms | R = T_comp/T_comm |" + (" examples/s | epoch s |" if epochs else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if epochs else "")]
+             "mem GB/GPU | exposed comm ms | R = T_comp/T_comm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['gpus']} | {r['global_batch']}/{r['micro']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['per_gpu']:,.0f} | {r['step_ms']:.1f} | {r['speedup']:.2f} | "
                      f"{pct(r['weak_eff'])} | {pct(r['strong_eff'])} | {f(r['mem_gb'], '.1f')} | "
-                     f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.1f')} |"
-                     + (f" {f(r.get('examples_per_s'), ',.0f')} | {f(r.get('epoch_s'), '.2f')} |" if epochs else ""))
+                     f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.1f')} |")
+    if any(r.get("epoch_s") is not None for r in rows):  # classify runs: two more columns
+        lines[2] += " examples/s | epoch s |"
+        lines[3] += "---|---|"
+        for i, r in enumerate(rows):
+            lines[4 + i] += f" {f(r.get('examples_per_s'), ',.0f')} | {f(r.get('epoch_s'), '.2f')} |"
     if notes:
         lines += ["", "Advisor:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
