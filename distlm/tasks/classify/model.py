@@ -67,7 +67,16 @@ class Classifier(GPT):
         # only when the batch has padding (a full batch runs the unmasked kernel).
         if padded and not self.causal:
             mask = valid_positions(lengths, ids.shape[1])[:, None, None, :]  # (B, 1, 1, T): keys only
-        return self.cls_head(pool(self.trunk(ids, mask), lengths, self.pooling))
+        if mask is not None and ids.is_cuda:
+            # The Trainer puts cuDNN attention first; its masked path has known failures on some
+            # shape/mask combinations (pytorch/pytorch#122695, #134001). Memory-efficient
+            # attention takes any broadcastable mask; unmasked batches keep the Trainer's order.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                h = self.trunk(ids, mask)
+        else:
+            h = self.trunk(ids, mask)
+        return self.cls_head(pool(h, lengths, self.pooling))
 
     def trunk(self, ids: torch.Tensor, mask) -> torch.Tensor:
         """GPT.forward's embedding and blocks, with the mask and attention direction passed
