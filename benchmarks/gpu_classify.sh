@@ -19,6 +19,8 @@ head -6 "$R/machine.txt"
 NGPU=$(nvidia-smi -L | wc -l)
 SIZES=1,2,4; [ "$NGPU" -lt 4 ] && SIZES=1,2 && echo "only $NGPU GPUs: scaling at $SIZES"
 
+# First, the classifier's CUDA check (masked bf16 attention under the Trainer's kernel order).
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_classify.py 2>&1 | tail -3 | tee "$R/gpu-test.log"
 python3 -m distlm prepare --task classify distlm/assets/20news4/20news4.jsonl.xz --out "$D" --max-len 128 2>&1 | tee "$R/prepare.log"
 
 C=(--config classify "data.dir=$D" train.on_nan=off log.root=/tmp/runs-classify log.tensorboard=false)

@@ -316,3 +316,26 @@ def test_bench_reports_time_per_epoch_at_one_and_two_ranks(root, toy, monkeypatc
         assert r["steps_per_epoch"] == math.ceil(480 / r["global_batch_size"])
         assert r["epoch_s"] == pytest.approx(r["step_s"] * r["steps_per_epoch"])
     assert raw[1]["exposed_comm_s"] is not None
+
+
+# ---- CUDA (through the device tool: python3 -m pytest -q -m gpu tests/test_classify.py) ----
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masked_bf16_attention_on_cuda_under_the_trainers_kernel_order():
+    """Padding changes nothing (to bf16 rounding) and backward runs, inside the Trainer's
+    SDPA priority (cuDNN first), where the classifier routes masked batches elsewhere."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = load_config(None, ["model.vocab_size=300", "model.n_layer=2", "model.d_model=128", "model.n_head=4",
+                             "model.d_ff=256", "model.block_size=64"]).model
+    torch.manual_seed(0)
+    model = Classifier(cfg, 4).cuda()
+    short = torch.randint(0, 256, (1, 20), device="cuda")
+    ids = torch.full((3, 64), 299, device="cuda")
+    ids[0, :20], ids[1:] = short[0], torch.randint(0, 256, (2, 64), device="cuda")
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(order, set_priority=True):
+        alone = model(TextBatch(short, torch.tensor([20], device="cuda"), False)).float()
+        batched = model(TextBatch(ids, torch.tensor([20, 64, 64], device="cuda"), True)).float()
+        batched.sum().backward()
+    assert (batched[0] - alone[0]).abs().max() < 3e-2 * alone.abs().max() + 1e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
