@@ -32,6 +32,9 @@ H100 PCIe 756, H200 989, A100 312, ...) or set with log.peak_tflops. Unknown pea
 
 
 def cmd_prepare(args) -> int:
+    if args.task == "classify":
+        from distlm.tasks.classify.cli import cmd_prepare_classify
+        return cmd_prepare_classify(args)
     from distlm.data.prepare import prepare
     m = prepare(args.inputs, Path(args.out), tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                 seed=args.seed, workers=args.workers, separator=args.separator, text_field=args.text_field,
@@ -63,6 +66,9 @@ def _shutdown():
 
 
 def cmd_eval(args) -> int:
+    from distlm.tasks.classify.cli import checkpoint_task, cmd_eval_classify
+    if checkpoint_task(args.checkpoint) == "classify":  # accuracy, macro-F1, confusion matrix
+        return cmd_eval_classify(args)
     import torch
     from distlm.data.loader import TokenBlocks, val_micro_batches
     from distlm.data.prepare import load_manifest
@@ -250,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--separator", default=None, help="split files into documents on this string")
     s.add_argument("--text-field", default="text", help="text column of jsonl/parquet/arrow inputs")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    __import__("distlm.tasks.classify.cli", fromlist=["x"]).add_prepare_args(s)
     s.set_defaults(fn=cmd_prepare)
 
     s = sub.add_parser("train", help="train a model", description=TRAIN_HELP.format(presets=", ".join(list_presets())),
@@ -266,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(fn=cmd_eval)
+    __import__("distlm.tasks.classify.cli", fromlist=["x"]).add_predict_parser(sub)
 
     s = sub.add_parser("generate", help="sample text from a checkpoint (KV cache)")
     s.add_argument("--checkpoint", required=True, metavar="RUN_OR_CKPT")

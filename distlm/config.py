@@ -143,6 +143,16 @@ class InitConfig:
 
 
 @dataclass
+class TaskConfig:
+    """What is trained on the trunk. ``lm`` is next-token prediction; ``classify`` puts a
+    pooling step and a linear head on the same blocks (distlm/tasks/classify/)."""
+    name: str = choice("lm", "lm", "classify", help="lm | classify (task=classify on the command line)")
+    attention: str = choice("bidirectional", "bidirectional", "causal", help="classify: the trunk's attention")
+    pooling: str = choice("mean", "mean", "first", "last", help="classify: how token states become one vector")
+    init_from: Optional[str] = doc(None, "classify: start the trunk from this distlm LM run or checkpoint")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -150,6 +160,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -267,6 +278,9 @@ def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
         if key == "model":  # model=PRESET swaps in a preset's architecture
             _merge_dict(cfg, {"model": value}, item)
             continue
+        if key == "task":  # task=classify: shorthand for task.name=classify
+            _apply(cfg, "task", "name", value)
+            continue
         if "." not in key:
             raise ConfigError(f"override '{item}': key must be section.field{_suggest(key, SECTIONS)}")
         section, name = key.split(".", 1)
@@ -320,6 +334,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
+    _validate_task(cfg)
+
+
+def _validate_task(cfg: Config) -> None:
+    task, p = cfg.task, cfg.parallel
+    if task.name != "classify":
+        return
+    # The classifier's pooled head needs every position of a sequence on one rank, and
+    # its DDP/FSDP2 path is the one tested; TP and PP plans are written for the LM head.
+    for key in ("tp", "pp"):
+        if getattr(p, key, 1) > 1:
+            raise ConfigError(f"task.name=classify does not support parallel.{key}={getattr(p, key)}: "
+                              f"use data parallelism (parallel.dp_replicate or parallel.dp_shard)")
+    if cfg.parallel.engine != "torch":
+        raise ConfigError(f"task.name=classify runs on parallel.engine=torch, not {cfg.parallel.engine}")
+    if task.init_from is not None and not Path(task.init_from).exists():
+        raise ConfigError(f"task.init_from: no such run or checkpoint: {task.init_from}")
 
 
 def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:

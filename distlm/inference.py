@@ -16,6 +16,9 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[GP
     folder = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(folder)
     cfg = config_from_dict(meta["config"])
+    if cfg.task.name != "lm":
+        raise ckpt.CheckpointError(f"{folder}: a {cfg.task.name} checkpoint, not a language model "
+                                   f"(use distlm eval / distlm predict)")
     with torch.device("meta"):
         model = GPT(cfg.model)
     model.to_empty(device=device)

@@ -57,6 +57,8 @@ def analyse(results: list[dict], mode: str) -> list[dict]:
             "mem_gb": r["peak_mem_gb"], "exposed_ms": r["exposed_comm_s"] and 1e3 * r["exposed_comm_s"],
             "R": r["compute_comm_ratio"], "global_batch": r["global_batch_size"], "micro": r["micro_batch_size"],
             "device": r["device"],
+            # classify runs: time per epoch of the training split (an epoch is steps_per_epoch steps)
+            "epoch_s": r.get("epoch_s"), "examples_per_s": r.get("examples_per_s"),
         })
     return rows
 
@@ -103,6 +105,11 @@ def markdown(rows: list[dict], mode: str, serial: float, notes: list[str]) -> st
                      f"{r['per_gpu']:,.0f} | {r['step_ms']:.1f} | {r['speedup']:.2f} | "
                      f"{pct(r['weak_eff'])} | {pct(r['strong_eff'])} | {f(r['mem_gb'], '.1f')} | "
                      f"{f(r['exposed_ms'], '.1f')} | {f(r['R'], '.1f')} |")
+    if any(r.get("epoch_s") is not None for r in rows):  # classify runs: two more columns
+        lines[2] += " examples/s | epoch s |"
+        lines[3] += "---|---|"
+        for i, r in enumerate(rows):
+            lines[4 + i] += f" {f(r.get('examples_per_s'), ',.0f')} | {f(r.get('epoch_s'), '.2f')} |"
     if notes:
         lines += ["", "Advisor:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -113,7 +120,9 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     g = [r["gpus"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
+    epochs = all(r.get("epoch_s") for r in rows)  # classify runs: a third panel, time per epoch
+    fig, axes = plt.subplots(1, 3 if epochs else 2, figsize=(13.5 if epochs else 9, 3.6), dpi=110)
+    a, b = axes[0], axes[1]
     a.plot(g, [r["tokens_per_s"] for r in rows], "o-", label="measured")
     a.plot(g, [rows[0]["tokens_per_s"] * n / g[0] for n in g], "--", color="gray", label="linear")
     a.set(xlabel="GPUs", ylabel="tokens/s", title="throughput")
@@ -122,7 +131,12 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
     b.plot(g, eff, "o-")
     b.axhline(100, color="gray", ls="--")
     b.set(xlabel="GPUs", ylabel="%", title=f"{mode}-scaling efficiency", ylim=(0, 110))
-    for ax in (a, b):
+    if epochs:
+        axes[2].plot(g, [r["epoch_s"] for r in rows], "o-", label="measured")
+        axes[2].plot(g, [rows[0]["epoch_s"] * g[0] / n for n in g], "--", color="gray", label="linear")
+        axes[2].set(xlabel="GPUs", ylabel="s", title="time per epoch")
+        axes[2].legend()
+    for ax in axes:
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -119,6 +119,8 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "activation_checkpoint": cfg.parallel.activation_checkpoint, "dtype": str(trainer.amp_dtype or "fp32"),
         "warmup_steps": warmup, "timed_steps": steps,
         "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_gpu": per_gpu,
+        # classify: time per epoch and examples/s (its tokens/s counts rows padded to block_size)
+        **(trainer.task.bench_fields(trainer, step_s) if trainer.task is not None else {}),
         "phases_s": phases, "exposed_comm_s": exposed,
         "compute_comm_ratio": (compute / exposed) if exposed else None,
         "flops_per_token": fpt, "achieved_tflops_per_gpu": achieved, "peak_tflops": peak,
@@ -163,6 +165,9 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
           f"({r['tokens_per_s_per_gpu']:,.0f}/GPU), step {1e3 * r['step_s']:.1f} ms = data "
           f"{1e3 * ph.get('data', 0):.1f} + fwd/bwd {1e3 * ph.get('forward_backward', 0):.1f} + optimizer "
           f"{1e3 * ph.get('optimizer', 0):.1f} ms")
+    if "epoch_s" in r:
+        print(f"classify: {r['examples_per_s']:,.0f} examples/s, {r['steps_per_epoch']} steps per epoch of "
+              f"{r['train_examples']:,} examples: {r['epoch_s']:.2f} s per epoch")
     if r["exposed_comm_s"] is not None:
         print(f"exposed communication {1e3 * r['exposed_comm_s']:.1f} ms/step, compute/comm R = "
               f"{r['compute_comm_ratio'] or float('inf'):.1f}")

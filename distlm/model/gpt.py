@@ -81,7 +81,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None, cache=None, start_pos: int = 0):
+    def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True):
         B, T, _ = x.shape
         # -1 for the head count: under TP each rank holds only its local heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -90,7 +90,8 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        mask, causal = None, True
+        # attn_mask/causal come from the classifier (bidirectional, padding); the LM keeps the defaults.
+        mask = attn_mask
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
             if start_pos > 0:
@@ -129,8 +130,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope=None, cache=None, start_pos: int = 0):
-        x = x + self.attn(self.attn_norm(x), rope, cache, start_pos)
+    def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True):
+        x = x + self.attn(self.attn_norm(x), rope, cache, start_pos, attn_mask, causal)
         return x + self.mlp(self.mlp_norm(x))
 
 

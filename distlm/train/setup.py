@@ -12,6 +12,7 @@ import torch
 from distlm.config import Config, ConfigError
 from distlm.model.gpt import GPT
 from distlm.parallel import ParallelDims, parallelize
+from distlm.tasks import task_model
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -53,7 +54,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device):
     model when it is sharded. Returns (the wrapped model to train, the plain GPT inside,
     the pipeline parts or None). Under PP the GPT is this rank's pruned part."""
     with torch.device("meta"):
-        inner = GPT(cfg.model)
+        # task.name=classify builds the classifier, a GPT subclass (distlm/tasks/classify/model.py)
+        inner = GPT(cfg.model) if cfg.task.name == "lm" else task_model(cfg)
 
     def materialize(m: GPT) -> None:
         # FSDP2's CPU offload wants the sharded parameters allocated in host memory; the
@@ -64,6 +66,9 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device):
         if cfg.init.from_hf and cfg.train.resume == "never":  # a resume brings its own weights
             from distlm.interop import load_hf_into
             load_hf_into(m, cfg.init.from_hf)
+        if cfg.task.init_from:  # an LM's trunk; a resume then loads the run's own weights over it
+            from distlm.tasks.classify.task import load_trunk
+            load_trunk(m, cfg.task.init_from)
 
     model, parts = parallelize(inner, dims, cfg, materialize)
     return model, (parts.model if parts is not None else inner), parts

@@ -20,6 +20,7 @@ from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims, init_distributed
 from distlm.parallel.comm import TorchComm
 from distlm.parallel.grad import clip_grad_norm, grad_sync
+from distlm.tasks import build_task
 from distlm.train import checkpoint as ckpt
 from distlm.train.faults import StopFlag, Watchdog, nonfinite_grads
 from distlm.train.logger import RunLogger, console_line
@@ -52,7 +53,12 @@ class Trainer:
         if cfg.init.from_hf:  # the architecture comes from the Hugging Face folder
             from distlm.interop import apply_hf_model_config
             apply_hf_model_config(cfg.model, cfg.init.from_hf, block_size=cfg.model.block_size)
-        self.manifest, self.data_dir = data_dims(cfg)
+        # A task other than the LM (task.name=classify) supplies its data, model (through
+        # build_model), loader, loss and evaluation; for the LM, self.task is None and every
+        # line below runs as before.
+        self.task = build_task(cfg)
+        self.manifest, self.data_dir = (self.task.data_dims(cfg, self.comm, self.dims.is_main) if self.task
+                                        else data_dims(cfg))
         if cfg.init.from_hf and self.manifest and int(self.manifest["tokenizer"]["vocab_size"]) != cfg.model.vocab_size:
             raise ConfigError(f"init.from_hf={cfg.init.from_hf} has a {cfg.model.vocab_size}-token vocabulary but "
                               f"{cfg.data.dir} was prepared with {self.manifest['tokenizer']['name']} "
@@ -88,6 +94,8 @@ class Trainer:
             self.optimizer = wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps,
                                             cfg.parallel.fp16_compression)
         self._write_run_files()
+        if self.task:
+            self.loss_fn = self.task.loss_fn  # in place of lm_loss
 
     # ---- set-up -------------------------------------------------------------------
     def _run_dir(self) -> Path:
@@ -102,6 +110,8 @@ class Trainer:
         return run_dir
 
     def _build_loader(self) -> BatchLoader:
+        if self.task:
+            return self.task.build_loader(self)
         t, m = self.cfg.train, self.cfg.model
         blocks = None
         if self.data_dir is not None:
@@ -153,6 +163,8 @@ class Trainer:
             load_tokenizer(self.manifest["tokenizer"]["name"], self.data_dir).save(tok_dir)
             ckpt.atomic_write_text(tok_dir / "tokenizer.meta.json",
                                    __import__("json").dumps(self.manifest["tokenizer"], indent=1))
+        if self.task:
+            self.task.write_run_files(self.run_dir)
 
     # ---- state --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -270,6 +282,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.task:
+            return self.task.evaluate(self)
         if self.val_blocks is None:
             return float("nan")
         self.model.eval()
