@@ -79,18 +79,10 @@ class Classifier(GPT):
         return self.cls_head(pool(h, lengths, self.pooling))
 
     def trunk(self, ids: torch.Tensor, mask) -> torch.Tensor:
-        """GPT.forward's embedding and blocks, with the mask and attention direction passed
-        to every block, ending at the final norm. (Kept here rather than as arguments of
-        GPT.forward, which the pipeline-parallel work reshapes; on top of that work this
-        is GPT.embed + GPT.rope_at + the block loop.)"""
-        T = ids.shape[1]
-        x = self.tok_emb(ids)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=ids.device))
-        elif self.cfg.position == "sinusoidal" and self.sinusoid.numel():
-            x = x + self.sinusoid[:T].to(x.dtype)
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.cfg.position == "rope" else None
-        x = self.drop(x)
+        """GPT's embedding and blocks, with the mask and attention direction passed to every
+        block, ending at the final norm."""
+        x = self.embed(ids)
+        rope = self.rope_at(0, ids.shape[1])
         for block in self.blocks.values():
             x = block(x, rope, None, 0, mask, self.causal)
         return self.norm(x)
