@@ -92,6 +92,11 @@ class TrainConfig:
     device: str = choice("auto", "auto", "cpu", "cuda")
     dtype: str = choice("auto", "auto", "fp32", "bf16", help="auto = bf16 autocast on CUDA, fp32 on CPU")
     compile: bool = doc(False, "torch.compile each block")
+    compile_scope: str = choice("block", "block", "model",
+                                help="block: one graph reused by every block (works with FSDP2/TP/PP); "
+                                     "model: the whole forward in one graph (1 GPU or DDP)")
+    compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune",
+                               help="torch.compile mode (autotuning costs minutes of compile time)")
     time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
     on_nan: str = choice("skip", "skip", "stop", "off",
                          help="a NaN/Inf loss or gradient: skip the step, stop, or off (no check: no host sync per step)")
@@ -324,6 +329,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches}: the local batch "
                               f"(train.global_batch_size={t.global_batch_size} / data-parallel degree {dp}) must "
                               f"split into equal microbatches")
+    if t.compile and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
+        raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "
+                          "into per-block or per-stage pieces; use train.compile_scope=block with them")
     if (p.tp > 1 or p.pp > 1) and p.engine != "torch":
         raise ConfigError(f"parallel.engine={p.engine} does data parallelism only; tp and pp need engine=torch")
     if t.global_batch_size % (t.micro_batch_size * dp):

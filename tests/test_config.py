@@ -41,3 +41,9 @@ def test_bad_config_is_named(overrides, needle):
 def test_unknown_preset_suggests():
     with pytest.raises(ConfigError, match="did you mean 'tiny'"):
         load_config("tinyy")
+
+
+def test_whole_model_compile_refused_with_sharded_layouts():
+    with pytest.raises(ConfigError, match="train.compile_scope=model"):
+        load_config(None, ["train.compile=true", "train.compile_scope=model", "parallel.dp_shard=2"])
+    assert load_config(None, ["train.compile=true", "train.compile_scope=model"]).train.compile_scope == "model"

@@ -14,11 +14,17 @@ from distlm.config import Config
 from distlm.parallel.dims import ParallelDims
 
 
-def apply_compile(model: nn.Module) -> None:
-    # Per block, not the whole model: blocks are identical, so one graph is compiled and
-    # reused, and FSDP2's per-block hooks stay outside the compiled region.
+def apply_compile(model: nn.Module, scope: str = "block", mode: str = "default") -> None:
+    """Per block by default: blocks are identical, so one graph is compiled and reused,
+    and FSDP2's per-block hooks stay outside the compiled region. ``scope="model"``
+    compiles the whole forward as one graph (embedding, blocks, head), so the compiler can
+    fuse across block edges too; one GPU or DDP only (config validation says so)."""
+    kw = {} if mode == "default" else {"mode": mode}
+    if scope == "model":
+        model.compile(**kw)
+        return
     for name, block in model.blocks.named_children():
-        block.compile()
+        block.compile(**kw)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -52,7 +58,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     if pcfg.activation_checkpoint != "none":
         apply_activation_checkpointing(model, pcfg.activation_checkpoint)
     if cfg.train.compile:
-        apply_compile(model)
+        apply_compile(model, cfg.train.compile_scope, cfg.train.compile_mode)
     if parts is not None:
         parts.refresh_views()  # the views must hold the wrapped blocks
     # With TP or PP, replication goes through FSDP2 too (a (dp_replicate, dp_shard) mesh
