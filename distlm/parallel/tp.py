@@ -60,8 +60,9 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
 
     for block in model.blocks.values():
         plan = {
-            "attn": PrepareModuleInput(input_layouts=(resid, None, None, None),
-                                       desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
+            # Block passes (x, rope, cache, start_pos, attn_mask, causal): only x is laid out.
+            "attn": PrepareModuleInput(input_layouts=(resid,) + (None,) * 5,
+                                       desired_input_layouts=(Replicate(),) + (None,) * 5, use_local_output=True),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=resid),
             "mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),),
