@@ -21,3 +21,5 @@ def test_examples(tmp_path):
     assert "trained to step 30" in out and "The cat" in out
     out = run("03_load_checkpoint.py", tmp_path / "runs" / "example", "The sun")
     assert out.count("The sun") == 2
+    out = run("04_plan_layouts.py", 4, 79)
+    assert "recommended:" in out and out.count("| yes |") >= 1
