@@ -81,7 +81,5 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_title(f"pipeline over {pp} ranks ({rows[0]['device'] if rows else ''})")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    from distlm.train.plot import save_figure
+    save_figure(fig, path, dpi=110)

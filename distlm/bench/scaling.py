@@ -140,10 +140,8 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
+    from distlm.train.plot import save_figure
+    save_figure(fig, out)
 
 
 def run_scaling(sizes: list[int], config, overrides, axis: str, mode: str, warmup: int, steps: int,

@@ -127,12 +127,17 @@ class BatchLoader:
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "n_blocks": n}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "global_batch", "n_blocks"):
-            if int(state[key]) != mine[key]:
-                raise DataError(f"checkpoint's loader {key}={state[key]} differs from this run's {mine[key]}: "
-                                f"the resumed run would not see the same batches")
-        self.step = int(state["step"])
+        self.step = resume_step(self.state_dict(), state)
+
+
+def resume_step(mine: dict, state: dict) -> int:
+    """The step to resume a loader at, after checking the checkpoint's loader drew its batches
+    the same way (seed, global batch, data size): else the run would not see the same data."""
+    for key in ("seed", "global_batch", "n_blocks"):
+        if int(state[key]) != mine[key]:
+            raise DataError(f"checkpoint's loader {key}={state[key]} differs from this run's {mine[key]}: "
+                            f"the resumed run would not see the same batches")
+    return int(state["step"])
 
 
 def val_micro_batches(blocks: TokenBlocks, n_batches: int, micro_batch: int, dp_rank: int = 0,

@@ -6,6 +6,17 @@ import os
 from pathlib import Path
 
 
+def save_figure(fig, out: Path, **kw) -> Path:
+    """Write a matplotlib figure atomically (a temporary file, then a rename) and close it."""
+    import matplotlib.pyplot as plt
+    out = Path(out)
+    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, **kw)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.csv"
     if not path.is_file():
@@ -34,9 +45,4 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(out)
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return save_figure(fig, out)

@@ -68,12 +68,8 @@ class ClassifyLoader:
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "n_blocks": self.n}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "global_batch", "n_blocks"):
-            if int(state[key]) != mine[key]:
-                raise DataError(f"checkpoint's loader {key}={state[key]} differs from this run's {mine[key]}: "
-                                f"the resumed run would not see the same batches")
-        self.step = int(state["step"])
+        from distlm.data.loader import resume_step
+        self.step = resume_step(self.state_dict(), state)
 
 
 def eval_batches(data: dict[str, np.ndarray], batch_size: int, dp_rank: int = 0, dp_size: int = 1

@@ -1,7 +1,6 @@
 """Accuracy, macro-F1 and the confusion matrix (rows: true label, columns: predicted)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +51,5 @@ def plot_confusion(confusion: np.ndarray, labels: list[str], out: Path, title: s
     ax.set(xlabel="predicted", ylabel="true", title=title)
     fig.colorbar(im, ax=ax, fraction=0.046, label="share of the true class")
     fig.tight_layout()
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    from distlm.train.plot import save_figure
+    return save_figure(fig, out)
