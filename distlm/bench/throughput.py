@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from distlm.model.gpt import count_params
 from distlm.train.metrics import device_name
 
 FORMULA = "MFU = (tokens/s per GPU) x (6N + 12*L*d*T) / peak dense bf16 FLOP/s"
@@ -113,7 +114,9 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "device": device_name(device), "world_size": dims.world_size, "torch": torch.__version__,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp},
         "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "block_size": cfg.model.block_size,
-                  "params": _total_params(trainer)},
+                  # a pipeline rank holds only part of the model: count the whole one
+                  "params": count_params(trainer.cfg.model, False) if trainer.pp is not None
+                  else trainer.gpt.num_params(False)},
         "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
         "accum_steps": trainer.loader.accum_steps, "compile": cfg.train.compile,
         "activation_checkpoint": cfg.parallel.activation_checkpoint, "dtype": str(trainer.amp_dtype or "fp32"),
@@ -133,14 +136,6 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         "date": time.strftime("%Y-%m-%d"),
     }
     return result
-
-
-def _total_params(trainer) -> int:
-    if trainer.pp is None:
-        return trainer.gpt.num_params(False)
-    from distlm.model.gpt import GPT
-    with torch.device("meta"):
-        return GPT(trainer.cfg.model).num_params(False)
 
 
 def markdown_row(r: dict) -> str:

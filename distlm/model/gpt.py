@@ -244,6 +244,12 @@ class GPT(nn.Module):
         return n
 
 
+def count_params(cfg: ModelConfig, non_embedding: bool = True) -> int:
+    """num_params of the whole model, built on the meta device (a pipeline rank holds a part)."""
+    with torch.device("meta"):
+        return GPT(cfg).num_params(non_embedding)
+
+
 def _copy_shard(p: torch.Tensor, full: torch.Tensor) -> None:
     """Copy into p its own piece of the whole tensor ``full`` (p may be a DTensor)."""
     if hasattr(p, "device_mesh"):

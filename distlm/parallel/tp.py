@@ -22,6 +22,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from distlm.config import ParallelConfig
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_parallel is a (replicated) DTensor; the loop wants a tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
     """Shard a GPT (or a pipeline stage of one: a part whose tok_emb/head are None) in place.
 

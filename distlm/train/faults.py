@@ -19,6 +19,41 @@ import time
 import torch
 
 
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (non-finite values, an unwritable checkpoint); the message says why."""
+
+
+def nonfinite_verdict(step: int, loss: float, grad_norm: float, bad_grads: list, kept_ckpt, skips: int,
+                      train_cfg) -> str:
+    """A step with a NaN/Inf loss or gradient: the warning to print when it is skipped, or
+    TrainingStopped under train.on_nan=stop or past train.max_nan_skips. Names the bad
+    gradients and the last checkpoint from before the fault."""
+    where = f"non-finite values at step {step}: loss {loss}, grad norm {grad_norm}" + (
+        f"; gradients of {', '.join(bad_grads)}" if bad_grads else "")
+    kept = f"; checkpoint {kept_ckpt} (before the fault) is kept" if kept_ckpt else ""
+    if train_cfg.on_nan == "stop" or skips > train_cfg.max_nan_skips:
+        why = "train.on_nan=stop" if train_cfg.on_nan == "stop" else \
+            f"more than train.max_nan_skips={train_cfg.max_nan_skips} skipped steps"
+        raise TrainingStopped(f"{where} ({why}){kept}")
+    return f"warning: {where}: step skipped ({skips}/{train_cfg.max_nan_skips}){kept}"
+
+
+def stop_reason(stop, t_start: float, train_cfg, step: int, dims, comm, device) -> str | None:
+    """Why the loop should stop now (time limit, a signal), agreed by every rank: ranks see
+    signals and clocks at different moments, and must stop together or not at all."""
+    reason = None
+    if train_cfg.time_limit_s and time.perf_counter() - t_start > train_cfg.time_limit_s:
+        reason = f"train.time_limit_s={train_cfg.time_limit_s:g} reached"
+    if stop.signal:
+        reason = f"{stop.signal} received"
+    if not dims.is_distributed:
+        return reason
+    if step % train_cfg.stop_check_every and not reason:
+        return None
+    flag = comm.max(torch.tensor([1 if reason else 0], device=device))
+    return (reason or "another rank asked to stop") if flag.item() else None
+
+
 class StopFlag:
     """Records SIGTERM/SIGINT instead of dying mid-step."""
 

@@ -4,6 +4,7 @@ Kept apart from the loop so eval, bench and export can build the same pieces.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +30,25 @@ def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
+def compute_context(device: torch.device, amp_dtype: Optional[torch.dtype], loss_parallel: bool = False):
+    """What every forward/backward runs under: bf16 autocast (when asked), the SDPA backend
+    order on CUDA, and TP's ``loss_parallel`` (the logits are vocabulary-sharded DTensors)."""
+    stack = contextlib.ExitStack()
+    if amp_dtype is not None:
+        stack.enter_context(torch.autocast(device.type, dtype=amp_dtype))
+    if device.type == "cuda":
+        # Measured on H100 (bf16, T=1024, hd=64, fwd+bwd): cuDNN attention 0.51 ms, flash 0.69 ms,
+        # memory-efficient 1.25 ms. PyTorch's default order tries flash first; put cuDNN first.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        stack.enter_context(sdpa_kernel(order, set_priority=True))
+    if loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as lp
+        stack.enter_context(lp())
+    return stack
+
+
 def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
     """Read the data manifest and fill model.vocab_size from it, or check the two agree."""
     if cfg.data.source == "synthetic":
@@ -40,13 +60,18 @@ def data_dims(cfg: Config) -> tuple[dict, Optional[Path]]:
     from distlm.data.prepare import load_manifest
     data_dir = Path(cfg.data.dir)
     manifest = load_manifest(data_dir)
+    fit_vocab(cfg, manifest, data_dir)
+    return manifest, data_dir
+
+
+def fit_vocab(cfg: Config, manifest: dict, data_dir: Path) -> None:
+    """model.vocab_size from the data's tokenizer when unset; refused when it is smaller."""
     vocab = int(manifest["tokenizer"]["vocab_size"])
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = vocab
     elif cfg.model.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
                           f"({vocab}, tokenizer {manifest['tokenizer']['name']} in {data_dir}/manifest.json)")
-    return manifest, data_dir
 
 
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device):

@@ -15,23 +15,21 @@ import torch
 
 from distlm.config import Config, ConfigError, to_yaml
 from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
-from distlm.model.gpt import flops_per_token
+from distlm.model.gpt import count_params, flops_per_token
 from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims, init_distributed
 from distlm.parallel.comm import TorchComm
 from distlm.parallel.grad import clip_grad_norm, grad_sync
 from distlm.tasks import build_task
 from distlm.train import checkpoint as ckpt
-from distlm.train.faults import StopFlag, Watchdog, nonfinite_grads
+from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads,  # noqa: F401 (re-exported)
+                                 nonfinite_verdict, stop_reason)
 from distlm.train.logger import RunLogger, console_line
 from distlm.train.metrics import memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer
 from distlm.train.schedule import lr_at
-from distlm.train.setup import autocast_dtype, build_model, data_dims, resolve_device  # noqa: F401 (re-exported)
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (non-finite values, an unwritable checkpoint); the message says why."""
+from distlm.parallel.tp import full
+from distlm.train.setup import autocast_dtype, build_model, compute_context, data_dims, resolve_device  # noqa: F401
 
 
 class Trainer:
@@ -85,7 +83,7 @@ class Trainer:
         self.best_ckpt: Optional[str] = None
         self.protected: list[str] = []  # checkpoints pruning must keep (the last one before a fault)
         self.nan_skips = 0
-        n = full_num_params(cfg.model) if self.pp is not None else self.gpt.num_params()
+        n = count_params(cfg.model) if self.pp is not None else self.gpt.num_params()
         self.flops_per_token = flops_per_token(cfg.model, n)
         self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
         self.resumed_from = self._maybe_resume()
@@ -181,23 +179,8 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------
     def _autocast(self):
-        stack = contextlib.ExitStack()
-        if self.amp_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype))
-        if self.device.type == "cuda":
-            # Measured on H100 (bf16, T=1024, hd=64, fwd+bwd): cuDNN attention 0.51 ms, flash 0.69 ms,
-            # memory-efficient 1.25 ms. PyTorch's default order tries flash first; put cuDNN first.
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                     SDPBackend.MATH]
-            stack.enter_context(sdpa_kernel(order, set_priority=True))
-        return stack
-
-    def _loss_parallel(self):
-        if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            return loss_parallel()
-        return contextlib.nullcontext()
+        """autocast, the SDPA order and (under TP) loss_parallel: see setup.compute_context."""
+        return compute_context(self.device, self.amp_dtype, self.dims.tp > 1 and self.cfg.parallel.loss_parallel)
 
     def train_step(self, mark=None, sync_grads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over one global batch. Returns (mean loss, grad norm), on device.
@@ -214,15 +197,15 @@ class Trainer:
                  for x, y in self.loader.next()]
         mark("data")
         if self.pp is not None:
-            loss_sum = self._pipeline_step(micro)
+            from distlm.parallel.pp import train_pass
+            loss_sum = train_pass(self.pp, micro, self._autocast, self.device)
         else:
             loss_sum = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(micro):
-                with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast(), \
-                        self._loss_parallel():
+                with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast():
                     loss = self.loss_fn(self.model(x), y) / len(micro)
                     loss.backward()
-                loss_sum += _full(loss.detach())
+                loss_sum += full(loss.detach())
         loss_mean = self._dp_mean(loss_sum)
         mark("forward_backward")
         reduces_itself = hasattr(self.optimizer, "synchronize")  # Horovod: finish its allreduce first
@@ -242,17 +225,6 @@ class Trainer:
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
         return loss_mean, grad_norm
 
-    def _pipeline_step(self, micro) -> torch.Tensor:
-        """The local batch through the pipeline schedule (it splits the microbatches);
-        the last stage's mean loss comes back on every rank."""
-        from distlm.parallel.pp import loss_to_all, run_pipeline, sync_tied_grads
-        x = torch.cat([m[0] for m in micro])
-        y = torch.cat([m[1] for m in micro])
-        with self._autocast(), self._loss_parallel():
-            loss = run_pipeline(self.pp, x, y, train=True)
-        sync_tied_grads(self.pp)
-        return loss_to_all(_full(loss) if loss is not None else None, self.pp, self.device)
-
     def _clip(self) -> torch.Tensor:
         if self.pp is None:
             return clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
@@ -261,21 +233,14 @@ class Trainer:
                               exclude=duplicate_params(self.pp))
 
     def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
-        names = nonfinite_grads(self.model)
-        step = self.step + 1
         complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
         if complete and complete[-1].name not in self.protected:
             self.protected.append(complete[-1].name)  # the last good state survives pruning
-        where = f"non-finite values at step {step}: loss {loss}, grad norm {grad_norm}" + (
-            f"; gradients of {', '.join(names)}" if names else "")
-        kept = f"; checkpoint {complete[-1]} (before the fault) is kept" if complete else ""
         self.nan_skips += 1
-        if self.cfg.train.on_nan == "stop" or self.nan_skips > self.cfg.train.max_nan_skips:
-            why = "train.on_nan=stop" if self.cfg.train.on_nan == "stop" else \
-                f"more than train.max_nan_skips={self.cfg.train.max_nan_skips} skipped steps"
-            raise TrainingStopped(f"{where} ({why}){kept}")
+        warning = nonfinite_verdict(self.step + 1, loss, grad_norm, nonfinite_grads(self.model),
+                                    complete[-1] if complete else None, self.nan_skips, self.cfg.train)
         if self.dims.is_main:
-            print(f"warning: {where}: step skipped ({self.nan_skips}/{self.cfg.train.max_nan_skips}){kept}")
+            print(warning)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         return self.comm.mean(value)
@@ -291,30 +256,15 @@ class Trainer:
                                     self.dims.dp_rank, self.dims.dp_size)
         total = torch.zeros((), device=self.device)
         if self.pp is not None:
-            total, n = self._pipeline_eval(batches)
+            from distlm.parallel.pp import eval_pass
+            total, n = eval_pass(self.pp, batches, self.loader.accum_steps, self._autocast, self.device)
         else:
             n = len(batches)
             for x, y in batches:
-                with self._autocast(), self._loss_parallel():
-                    total += _full(lm_loss(self.model(x.to(self.device)), y.to(self.device)))
+                with self._autocast():
+                    total += full(lm_loss(self.model(x.to(self.device)), y.to(self.device)))
         self.model.train()
         return float(self._dp_mean(total / max(1, n)))
-
-    def _pipeline_eval(self, batches) -> tuple[torch.Tensor, int]:
-        """Validation micro-batches go through the schedule a training step's worth at a
-        time (its microbatch count must divide what it is given); a remainder is left out."""
-        from distlm.parallel.pp import loss_to_all, run_pipeline
-        per_step = self.loader.accum_steps
-        total, n = torch.zeros((), device=self.device), 0
-        for i in range(0, len(batches) - per_step + 1, per_step):
-            group = batches[i:i + per_step]
-            x = torch.cat([b[0] for b in group]).to(self.device)
-            y = torch.cat([b[1] for b in group]).to(self.device)
-            with self._autocast(), self._loss_parallel():
-                loss = run_pipeline(self.pp, x, y, train=False)
-            total += loss_to_all(_full(loss) if loss is not None else None, self.pp, self.device) * len(group)
-            n += len(group)
-        return total, n
 
     def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
         """A checkpoint of this step (collective). A write error stops training or, with
@@ -403,7 +353,7 @@ class Trainer:
                     last_val = val if do_eval else last_val
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save(last_val if do_eval else None)
-                stopped = self._should_stop(stop, t_start)
+                stopped = stop_reason(stop, t_start, cfg.train, self.step, self.dims, self.comm, self.device)
                 if stopped:
                     if main:
                         say(f"{stopped} at step {self.step}: saving a checkpoint and exiting")
@@ -451,30 +401,3 @@ class Trainer:
             say(console_line(self.step, row))
         self._window = (time.perf_counter(), self.step)
         return row["loss"], val
-
-    def _should_stop(self, stop: StopFlag, t_start: float) -> Optional[str]:
-        cfg = self.cfg
-        reason = None
-        if cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s:
-            reason = f"train.time_limit_s={cfg.train.time_limit_s:g} reached"
-        if stop.signal:
-            reason = f"{stop.signal} received"
-        if not self.dims.is_distributed:
-            return reason
-        if self.step % cfg.train.stop_check_every and not reason:
-            return None
-        # Ranks see signals and clocks at different moments; stop together or not at all.
-        flag = self.comm.max(torch.tensor([1 if reason else 0], device=self.device))
-        return (reason or "another rank asked to stop") if flag.item() else None
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss_parallel is a (replicated) DTensor; the loop wants a tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def full_num_params(m) -> int:
-    """Parameter count of the whole model (a pipeline rank holds only a part)."""
-    from distlm.model.gpt import GPT
-    with torch.device("meta"):
-        return GPT(m).num_params()

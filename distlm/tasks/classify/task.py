@@ -69,12 +69,8 @@ class ClassifyTask:
             comm.barrier()
         data_dir = Path(cfg.data.dir)
         self.manifest = manifest = cdata.load_manifest(data_dir)
-        vocab = int(manifest["tokenizer"]["vocab_size"])
-        if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = vocab
-        elif cfg.model.vocab_size < vocab:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
-                              f"({vocab}, {data_dir}/manifest.json)")
+        from distlm.train.setup import fit_vocab
+        fit_vocab(cfg, manifest, data_dir)
         if manifest["max_len"] > cfg.model.block_size:
             raise ConfigError(f"{data_dir} was prepared with --max-len {manifest['max_len']}, longer than "
                               f"model.block_size={cfg.model.block_size}; raise model.block_size or prepare again")
