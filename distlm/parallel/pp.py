@@ -149,9 +149,15 @@ class PipelineParts:
     tied_group: object = None            # first + last stage's ranks, when embeddings are tied
     schedule: object = None
     n_microbatches: int = 1
-    has_first: bool = False
-    has_last: bool = False
     stages: list = field(default_factory=list)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
 
 
     def refresh_views(self) -> None:
@@ -192,8 +198,7 @@ def build_pipeline(gpt: nn.Module, dims, pcfg: ParallelConfig, m: ModelConfig) -
     seq_shards = dims.tp if (dims.tp > 1 and pcfg.sequence_parallel) else 1
     views = [StageView(model, layers[s], s == 0, s == n_stages - 1, seq_shards) for s in stage_ids]
     return PipelineParts(model, views, stage_ids, n_stages, layers, group=dims.mesh["pp"].get_group(),
-                         tied_group=_tied_group(dims, pcfg) if m.tie_embeddings else None,
-                         has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
+                         tied_group=_tied_group(dims, pcfg) if m.tie_embeddings else None)
 
 
 def _tied_group(dims, pcfg: ParallelConfig):
