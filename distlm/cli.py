@@ -170,6 +170,14 @@ def cmd_plot(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.ceilings:
+        from distlm.bench.ceilings import measure, report
+        from distlm.train.setup import resolve_device
+        r = measure(resolve_device(args.device))
+        print(report(r))
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=1))
+        return 0
     if args.scaling:
         from distlm.bench.scaling import run_scaling
         sizes = [int(x) for x in args.scaling.split(",")]
@@ -184,7 +192,8 @@ def cmd_bench(args) -> int:
         cfg.log.name = __import__("time").strftime("bench-%Y%m%d-%H%M%S")
     if args.pp_sweep:
         return _pp_sweep(cfg, args)
-    result = run_bench(cfg, args.warmup, args.steps, comm_probe=not args.no_comm_probe)
+    result = run_bench(cfg, args.warmup, args.steps, comm_probe=not args.no_comm_probe,
+                       profile_dir=Path(args.profile) if args.profile else None, memory_cap_gib=args.memory_cap_gib)
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         report(result, None if args.no_results else Path(args.results), args.json)
@@ -316,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp-sweep", default=None, metavar="1,2,4,8",
                    help="under torchrun with parallel.pp>=2: step time and bubble of naive, GPipe and 1F1B "
                    "against these microbatch counts")
+    s.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile a few steps (torch profiler): device time by category, top kernels, "
+                   "Chrome trace, in DIR")
+    s.add_argument("--memory-cap-gib", type=float, default=0.0, metavar="GIB",
+                   help="cap each process's GPU memory (e.g. 79 to check that a run fits an 80 GB card)")
+    s.add_argument("--ceilings", action="store_true",
+                   help="measure this device's matmul rate and memory bandwidth, then exit")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="--ceilings: which device")
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("plan", help="memory and communication per GPU for every layout of N GPUs, ranked",

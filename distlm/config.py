@@ -49,6 +49,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    loss_chunk: int = doc(0, "training: head + cross-entropy this many tokens at a time, gradients formed "
+                             "in the forward, so the whole logits tensor never exists; 0 = all at once")
 
     @property
     def head_dim(self) -> int:

@@ -86,9 +86,22 @@ def _max_over_ranks(value: float, device) -> float:
     return float(t.item())
 
 
-def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
+def cap_memory(gib: float) -> None:
+    """Let the caching allocator use at most ``gib`` GiB of this process's GPU, so a
+    larger card can show whether a layout fits a smaller one (79 GiB: an 80 GB H100)."""
+    import os
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+
+
+def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir: Optional[Path] = None,
+              memory_cap_gib: float = 0.0) -> dict:
     from distlm.train.trainer import Trainer
-    cfg.train.max_steps = max(cfg.train.max_steps, warmup + 2 * steps + 1)  # lr schedule stays in range
+    if memory_cap_gib and torch.cuda.is_available():
+        cap_memory(memory_cap_gib)
+    profile_steps = min(steps, 3) if profile_dir else 0
+    cfg.train.max_steps = max(cfg.train.max_steps, warmup + 2 * steps + profile_steps + 1)  # lr schedule stays in range
     cfg.train.eval_every = 0
     trainer = Trainer(cfg)
     dims, device = trainer.dims, trainer.device
@@ -103,6 +116,15 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
     if comm_probe and dims.dp_size > 1:
         wall_nosync, _ = _timed_window(trainer, steps, sync_grads=False)
         exposed = max(0.0, step_s - _max_over_ranks(wall_nosync, device) / steps)
+    prof = None
+    if profile_dir:
+        from distlm.bench.profile import profile_steps as run_profile
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        title = (f"{cfg.model.n_layer}x{cfg.model.d_model} T={cfg.model.block_size}, batch "
+                 f"{cfg.train.global_batch_size}/{cfg.train.micro_batch_size}, {device_name(device)} x{dims.world_size}"
+                 f", rank {rank}")
+        prof = run_profile(trainer, profile_steps, Path(profile_dir) / (f"rank{rank}" if dims.world_size > 1 else ""),
+                           title)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
     tps = tokens_per_step / step_s
     per_gpu = tps / dims.world_size
@@ -133,7 +155,8 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True) -> dict:
         if device.type == "cuda" else None,
         "pp_schedule": cfg.parallel.pp_schedule if dims.pp > 1 else None,
         "pp_microbatches": trainer.pp.n_microbatches if trainer.pp is not None else None,
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "memory_cap_gib": memory_cap_gib or None,
+        "profile": prof and {"dir": str(profile_dir), "categories_s": prof["categories_s"], "idle_s": prof["idle_s"]},
     }
     return result
 
@@ -168,6 +191,10 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
               f"{r['compute_comm_ratio'] or float('inf'):.1f}")
     mfu = "n/a (peak unknown for this device; set log.peak_tflops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     print(f"{r['achieved_tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}; peak {r['peak_tflops']} TF; {FORMULA}")
+    if r.get("profile"):
+        split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["profile"]["categories_s"].items())
+        print(f"profile (ms per step): {split}, idle {1e3 * r['profile']['idle_s']:.1f}; "
+              f"{r['profile']['dir']}/profile.md")
     if r["peak_mem_gb"] is not None:
         print(f"peak memory {r['peak_mem_gb']:.2f} GiB per GPU (max over ranks)")
     if json_out:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlm.config import ModelConfig
+from distlm.model.loss import chunked_head_loss, lm_loss
 
 
 class RMSNorm(nn.Module):
@@ -80,13 +81,24 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # One (d, 3d) matmul instead of three (d, d): measured faster on GPUs, where a
+        # d=768 matmul is too narrow to fill the card. The weights are concatenated per
+        # call (a few MB, against activations of tokens x 3d), so parameters, checkpoints
+        # and the HF mapping keep the separate q/k/v. Tensor parallelism turns it off: it
+        # shards q, k and v each by heads (distlm.parallel.tp).
+        self.fused_qkv = True
+
+    def qkv(self, x):
+        if not self.fused_qkv:
+            return self.wq(x), self.wk(x), self.wv(x)
+        w = torch.cat((self.wq.weight, self.wk.weight, self.wv.weight))
+        b = torch.cat((self.wq.bias, self.wk.bias, self.wv.bias)) if self.wq.bias is not None else None
+        return F.linear(x, w, b).chunk(3, dim=-1)
 
     def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True):
         B, T, _ = x.shape
         # -1 for the head count: under TP each rank holds only its local heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k, v = (t.reshape(B, T, -1, self.head_dim) for t in self.qkv(x))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -219,15 +231,29 @@ class GPT(nn.Module):
             return None
         return self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
 
-    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0, *,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or with ``targets`` the mean next-token loss: then the head and the loss
+        run inside the forward, so a compiled or DDP/FSDP-wrapped model fuses or hooks
+        them with the rest (see head_loss)."""
         # A part without tok_emb (a pipeline stage) takes the residual stream as input.
         x = self.embed(idx, start_pos) if self.tok_emb is not None else idx
         rope = self.rope_at(start_pos, idx.shape[1])
         for i, block in self.blocks.items():
             x = block(x, rope, cache.layer(int(i)) if cache is not None else None, start_pos)
+        if targets is not None:
+            return self.head_loss(x, targets)
         if self.norm is not None:
             x = self.norm(x)
         return self.head(x) if self.head is not None else x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, head, mean cross-entropy. With model.loss_chunk the logits are built
+        a chunk of tokens at a time and never whole (distlm.model.loss)."""
+        x = self.norm(x)
+        if self.cfg.loss_chunk:
+            return chunked_head_loss(x, self.head.weight, targets, self.cfg.loss_chunk)
+        return lm_loss(self.head(x), targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters without padding rows. non_embedding drops token/position tables

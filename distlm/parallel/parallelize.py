@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
 
 from distlm.config import Config
@@ -25,6 +26,10 @@ def apply_compile(model: nn.Module, scope: str = "block", mode: str = "default")
         return
     for name, block in model.blocks.named_children():
         block.compile(**kw)
+    if getattr(model, "head", None) is not None and hasattr(model, "head_loss"):
+        # the final norm, head and cross-entropy: one graph, so the fp32 softmax statistics
+        # are computed in registers instead of through fp32 copies of the logits
+        model.head_loss = torch.compile(model.head_loss, **kw)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -80,6 +80,9 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
             plan["attn_norm"] = SequenceParallel(use_local_output=True)
             plan["mlp_norm"] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+        # Each rank holds the columns of its heads in wq, wk and wv separately; the fused
+        # one-matmul path would concatenate shards of three tensors into no valid layout.
+        block.attn.fused_qkv = False
     replicate_rest(model, tp_mesh)
     return model
 

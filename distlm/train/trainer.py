@@ -72,6 +72,10 @@ class Trainer:
         # pass instead of materialising fp32 logits (3.3 GB at B=16, T=1024, V=50k).
         # Under TP the logits are DTensors for loss_parallel, which runs eagerly.
         self.loss_fn = torch.compile(lm_loss) if cfg.train.compile and self.dims.tp == 1 else lm_loss
+        # The LM on one stage without TP asks the model for its loss (GPT.head_loss): the
+        # head and cross-entropy then compile with the forward and can run chunked
+        # (model.loss_chunk). TP's loss_parallel and the pipeline's last stage take logits.
+        self.loss_in_model = self.task is None and self.dims.tp == 1 and self.pp is None
         self.loader = self._build_loader()
         if self.pp is not None:
             from distlm.parallel.pp import make_schedule
@@ -203,7 +207,8 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(micro):
                 with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast():
-                    loss = self.loss_fn(self.model(x), y) / len(micro)
+                    loss = (self.model(x, targets=y) if self.loss_in_model
+                            else self.loss_fn(self.model(x), y)) / len(micro)
                     loss.backward()
                 loss_sum += full(loss.detach())
         loss_mean = self._dp_mean(loss_sum)
@@ -261,8 +266,9 @@ class Trainer:
         else:
             n = len(batches)
             for x, y in batches:
+                x, y = x.to(self.device), y.to(self.device)
                 with self._autocast():
-                    total += full(lm_loss(self.model(x.to(self.device)), y.to(self.device)))
+                    total += full(self.model(x, targets=y) if self.loss_in_model else lm_loss(self.model(x), y))
         self.model.train()
         return float(self._dp_mean(total / max(1, n)))
 

@@ -1,0 +1,132 @@
+"""`distlm bench --profile DIR`: where a training step's device time goes.
+
+The torch profiler records a few real training steps; every kernel (on CUDA) or aten
+operator (on CPU) is put in one category, so the gap between achieved and peak FLOP/s
+is explained by measurement: how much is matmul, attention, fused element-wise work,
+the optimizer, communication, copies. Writes profile.md (the split and the top
+kernels), profile.json and a Chrome trace (open it in Perfetto).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+# First match wins. Kernel names differ by library and torch version, hence the patterns:
+# cuBLAS/CUTLASS gemms (sm90_xmma, nvjet, cutlass), cuDNN/flash attention, NCCL, the
+# fused optimizer (multi_tensor_apply / fused_adam), Triton kernels from Inductor.
+CATEGORIES = [
+    ("communication", r"nccl|c10d::|gloo|all_reduce|allreduce|reduce_scatter|all_gather|broadcast"),
+    ("attention", r"flash|fmha|cudnn.*attn|attention|sdpa|_efficient_attention|_scaled_dot_product"),
+    ("optimizer", r"adam|multi_tensor|foreach|optimizer"),
+    ("matmul", r"gemm|xmma|nvjet|cutlass|cublas|triton_tem|\bmm\b|aten::mm|aten::addmm|aten::bmm|aten::matmul"
+               r"|aten::linear|sm90_|sm80_|wgmma"),
+    ("loss (cross-entropy)", r"cross_entropy|log_softmax|nll_loss|logsumexp"),
+    ("fused element-wise/norm (Triton)", r"triton_"),
+    ("copies/casts/fills", r"memcpy|memset|copy_|aten::copy|to_copy|aten::fill|aten::zero"),
+    ("element-wise/norm (eager)", r"elementwise|vectorized|layer_norm|rms_norm|gelu|silu|softmax|reduce_kernel|"
+                                  r"aten::(add|mul|sub|div|gelu|layer_norm|native_layer_norm|silu|embedding|sum|mean)"),
+]
+_PATTERNS = [(name, re.compile(p, re.IGNORECASE)) for name, p in CATEGORIES]
+
+
+def categorize(name: str) -> str:
+    for cat, pat in _PATTERNS:
+        if pat.search(name):
+            return cat
+    return "other"
+
+
+def kernel_times(prof, cuda: bool) -> list[tuple[str, float, int]]:
+    """(name, total self time in seconds, calls) of every kernel (CUDA) or aten op (CPU)."""
+    rows = []
+    for evt in prof.key_averages():
+        if cuda:
+            t = getattr(evt, "self_device_time_total", None)
+            if t is None:
+                t = evt.self_cuda_time_total
+            # CPU-side ops report device time inherited from their kernels; count kernels only.
+            if t <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+        else:
+            t = evt.self_cpu_time_total
+            if t <= 0 or not evt.key.startswith(("aten::", "c10d::", "gloo")):
+                continue
+        rows.append((evt.key, t / 1e6, evt.count))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def summarize(rows: list[tuple[str, float, int]], steps: int, step_s: float) -> dict:
+    """Per-step seconds by category and the top kernels; 'idle' is step time no kernel filled."""
+    by_cat: dict[str, float] = {}
+    for name, t, _ in rows:
+        cat = categorize(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + t / steps
+    busy = sum(by_cat.values())
+    return {
+        "steps": steps, "step_s": step_s, "busy_s": busy,
+        "idle_s": max(0.0, step_s - busy),
+        "categories_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top": [{"name": n, "s_per_step": t / steps, "calls_per_step": c / steps, "category": categorize(n)}
+                for n, t, c in rows[:20]],
+    }
+
+
+def markdown(s: dict, title: str) -> str:
+    step = s["step_s"]
+    lines = [f"# Profile: {title}", "",
+             f"{s['steps']} profiled steps, {1e3 * step:.1f} ms per step (wall, synchronised). Device time "
+             "by category, summed over kernels (kernels on different streams can overlap, so the busy "
+             "total can exceed the step when communication overlaps compute):", "",
+             "| category | ms/step | % of step |", "|---|---|---|"]
+    for cat, t in s["categories_s"].items():
+        lines.append(f"| {cat} | {1e3 * t:.2f} | {100 * t / step:.1f} |")
+    lines.append(f"| idle (no kernel running: launch gaps, host sync, data) | {1e3 * s['idle_s']:.2f} | "
+                 f"{100 * s['idle_s'] / step:.1f} |")
+    lines += ["", "Top kernels:", "", "| kernel | category | ms/step | calls/step |", "|---|---|---|---|"]
+    for k in s["top"]:
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        lines.append(f"| `{name.replace('|', '/')}` | {k['category']} | {1e3 * k['s_per_step']:.2f} | "
+                     f"{k['calls_per_step']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def profile_steps(trainer, steps: int, out_dir: Path, title: str) -> dict:
+    """Profile ``steps`` training steps (after the caller's warm-up) and write the reports."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    s = summarize(kernel_times(prof, cuda), steps, wall / steps)
+    s["title"] = title
+    tmp = out_dir / "trace.json.tmp"
+    prof.export_chrome_trace(str(tmp))
+    with open(tmp, "rb") as src, gzip.open(out_dir / "trace.json.gz.tmp", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    tmp.unlink()
+    (out_dir / "trace.json.gz.tmp").replace(out_dir / "trace.json.gz")
+    _write(out_dir / "profile.json", json.dumps(s, indent=1))
+    _write(out_dir / "profile.md", markdown(s, title))
+    return s
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
