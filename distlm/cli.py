@@ -368,7 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     from distlm.data import DataError
     from distlm.train.checkpoint import CheckpointError
     from distlm.train.trainer import TrainingStopped
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `section.key=value` overrides may come on both sides of a flag (`--config X a=1 --steps 5 b=2`):
+    # argparse binds only the first run of positionals, so the rest arrive here.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except (ConfigError, DataError, CheckpointError) as e:

@@ -83,3 +83,13 @@ def test_bad_inputs_are_one_clear_line(e2e, tmp_path):
     _fails(distlm("train", "--config", "tiny", *SMALL, "model.d_model=64", f"data.dir={data}",
                   f"train.resume={run}", f"log.root={tmp_path}", "log.name=x", check=False), "shape")
     _fails(distlm("eval", "--checkpoint", tmp_path / "empty", check=False), "no complete checkpoint")
+
+
+def test_overrides_may_come_after_flags(capsys):
+    from distlm.cli import main
+    assert main(["plan", "model.n_layer=4", "--config", "gpt2-124m-1024", "--gpus", "2",
+                 "train.micro_batch_size=4", "--gpu-mem-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "4 layers x 768" in out and "micro-batch 4" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", "gpt2-124m-1024", "model.n_layer=4", "--gpus", "2", "stray"])
