@@ -132,7 +132,10 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
     per_layer = b * T * (4 * fp32_el + compute_bytes * cd_el)
     in_flight = 1 if lay.pp == 1 else (n_mb if lay.schedule in ("gpipe", "naive") else min(lay.pp, n_mb))
-    logits = b * T * V / (t if loss_parallel else 1) * (compute_bytes + 4 + 4)  # logits, fp32 copy, grad
+    # logits, their fp32 copy and gradient; model.loss_chunk holds one chunk of them (it applies
+    # where the model computes its own loss: no TP, no pipeline)
+    rows = min(b * T, m.loss_chunk) if m.loss_chunk and t == 1 and lay.pp == 1 else b * T
+    logits = rows * V / (t if loss_parallel else 1) * (compute_bytes + 4 + 4)
     if lay.ac == "full":
         # Only each block's input is kept; one block's tensors come back during its
         # recompute, by which time the logits are gone: the peak is the larger of the two.
