@@ -13,6 +13,9 @@
 #   6. max-autotune-no-cudagraphs, per block
 # Results: $OUT/speed.tgz (rewritten after each item) and a summary on stdout.
 set -uo pipefail
+# `python -m` puts the current directory ahead of PYTHONPATH: without this, a run from the repository root
+# imports the checkout's distlm, not the snapshot's (it happened: benchmarks/RESULTS.md, third session)
+export PYTHONSAFEPATH=1
 NEW=${SRC:-$PWD}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; R=/tmp/res-speed; rm -rf "$R"; mkdir -p "$OUT" "$R"

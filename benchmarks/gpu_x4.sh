@@ -10,6 +10,9 @@
 # 4. gpt2-1.5b on one GPU, same micro-batch, with --profile (the compute-only reference for item 3)
 # Results: $OUT/x4.tgz (rewritten after each item); a summary on stdout.
 set -uo pipefail
+# `python -m` puts the current directory ahead of PYTHONPATH: without this, a run from the repository root
+# imports the checkout's distlm, not the snapshot's (it happened: benchmarks/RESULTS.md, third session)
+export PYTHONSAFEPATH=1
 CODE=${SRC:-$PWD}
 export PYTHONPATH=$CODE PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor

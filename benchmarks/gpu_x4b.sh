@@ -8,6 +8,9 @@
 #    chunked loss and without it. Step-by-step differences against the plain path.
 # 4. DDP weak scaling with the best single-GPU settings (whole-model compile, micro 32, chunked loss): alone, DDP4
 set -uo pipefail
+# `python -m` puts the current directory ahead of PYTHONPATH: without this, a run from the repository root
+# imports the checkout's distlm, not the snapshot's (it happened: benchmarks/RESULTS.md, third session)
+export PYTHONSAFEPATH=1
 NEW=${SRC:-$PWD}; OLDC=${OLD:-$NEW}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; R=/tmp/res-x4b; rm -rf "$R"; mkdir -p "$OUT" "$R"

@@ -246,9 +246,10 @@ def record_steps(t: Trainer) -> dict:
 
 
 def nan_at(t: Trainer, *steps: int) -> None:
-    """The loss of the given (1-based) steps becomes NaN."""
-    inner = t.loss_fn
-    t.loss_fn = lambda logits, y: inner(logits, y) * (float("nan") if t.step + 1 in steps else 1.0)
+    """The loss of the given (1-based) steps becomes NaN. The LM computes its loss inside the
+    model's forward (GPT.head_loss), so the poison goes there."""
+    inner = t.gpt.head_loss
+    t.gpt.head_loss = lambda x, y: inner(x, y) * (float("nan") if t.step + 1 in steps else 1.0)
 
 
 def names(run_dir: Path) -> list[str]:
