@@ -35,3 +35,24 @@ def test_trainer_runs_bf16_compiled_on_cuda(tmp_path):
     summary = t.train()
     assert summary["step"] == 6 and summary["train_loss"] < 7.5
     assert next(t.optimizer.param_groups[0]["params"].__iter__()).dtype == torch.float32  # fp32 master weights
+
+
+def test_chunked_loss_compiled_on_cuda_matches_whole_logits():
+    """The Inductor kernels of the chunked head + loss (bf16 matmuls, fp32 softmax statistics)
+    against the whole-logits loss under the same autocast."""
+    import torch.nn.functional as F
+
+    from distlm.model.loss import chunked_head_loss, lm_loss
+    torch.manual_seed(0)
+    x = torch.randn(4, 256, 128, device="cuda", requires_grad=True)
+    w = (0.05 * torch.randn(1000, 128, device="cuda")).requires_grad_()
+    t = torch.randint(0, 1000, (4, 256), device="cuda")
+    fused = torch.compile(lambda x, w, t: chunked_head_loss(x, w, t, 300))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = lm_loss(F.linear(x, w), t)
+        got = fused(x, w, t)
+    gx, gw = torch.autograd.grad(ref, (x, w))
+    cx, cw = torch.autograd.grad(got, (x, w))
+    assert abs(got.item() - ref.item()) < 1e-3 * ref.item()
+    for a, b in ((cx, gx), (cw, gw)):
+        assert a.dtype == torch.float32 and (a - b).norm() / b.norm() < 1e-2
