@@ -172,11 +172,12 @@ def cmd_plot(args) -> int:
 def cmd_bench(args) -> int:
     if args.ceilings:
         from distlm.bench.ceilings import measure, report
+        from distlm.train.checkpoint import atomic_write_text
         from distlm.train.setup import resolve_device
         r = measure(resolve_device(args.device))
         print(report(r))
         if args.json:
-            Path(args.json).write_text(json.dumps(r, indent=1))
+            atomic_write_text(Path(args.json), json.dumps(r, indent=1))
         return 0
     if args.scaling:
         from distlm.bench.scaling import run_scaling

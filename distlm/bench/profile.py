@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from distlm.train.checkpoint import atomic_write_text
+
 # First match wins. Kernel names differ by library and torch version, hence the patterns:
 # cuBLAS/CUTLASS gemms (sm90_xmma, nvjet, cutlass), cuDNN/flash attention, NCCL, the
 # fused optimizer (multi_tensor_apply / fused_adam), Triton kernels from Inductor.
@@ -121,12 +123,6 @@ def profile_steps(trainer, steps: int, out_dir: Path, title: str) -> dict:
         shutil.copyfileobj(src, dst)
     tmp.unlink()
     (out_dir / "trace.json.gz.tmp").replace(out_dir / "trace.json.gz")
-    _write(out_dir / "profile.json", json.dumps(s, indent=1))
-    _write(out_dir / "profile.md", markdown(s, title))
+    atomic_write_text(out_dir / "profile.json", json.dumps(s, indent=1))
+    atomic_write_text(out_dir / "profile.md", markdown(s, title))
     return s
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

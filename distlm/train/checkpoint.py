@@ -163,6 +163,22 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return complete[-1]
 
 
+def resume_target(resume: str, run_dir: Path, say=print) -> Optional[Path]:
+    """train.resume -> the checkpoint to load: ``never`` -> None; ``auto`` -> the run's newest
+    complete checkpoint (torn ones are named and skipped; None when there is none); else PATH."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return resolve_checkpoint(resume)
+    complete, torn = list_checkpoints(run_dir / "checkpoints")
+    for p in torn:
+        say(f"resume: skipping incomplete checkpoint {p} (no {MARKER})")
+    if not complete:
+        say(f"resume=auto: no checkpoint in {run_dir}, starting from step 0")
+        return None
+    return complete[-1]
+
+
 def _check_shapes(ckpt: Path, prefix: str, state: dict) -> None:
     try:
         md = SafeReader(str(ckpt)).read_metadata().state_dict_metadata

@@ -68,14 +68,10 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + self.dims.rank // self.dims.tp)
         self.model, self.gpt, self.pp = build_model(cfg, self.dims, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
-        # Compiled, the fp32 cast, log-softmax and gather over the vocabulary fuse into one
-        # pass instead of materialising fp32 logits (3.3 GB at B=16, T=1024, V=50k).
-        # Under TP the logits are DTensors for loss_parallel, which runs eagerly.
+        # The pipeline's last stage takes logits: compiled, the fp32 cast, log-softmax and
+        # gather fuse into one pass. Under TP the logits are DTensors for loss_parallel
+        # (eager). Otherwise the LM's loss runs inside the model (see _loss).
         self.loss_fn = torch.compile(lm_loss) if cfg.train.compile and self.dims.tp == 1 else lm_loss
-        # The LM on one stage without TP asks the model for its loss (GPT.head_loss): the
-        # head and cross-entropy then compile with the forward and can run chunked
-        # (model.loss_chunk). TP's loss_parallel and the pipeline's last stage take logits.
-        self.loss_in_model = self.task is None and self.dims.tp == 1 and self.pp is None
         self.loader = self._build_loader()
         if self.pp is not None:
             from distlm.parallel.pp import make_schedule
@@ -132,21 +128,10 @@ class Trainer:
                            pin_memory=self.device.type == "cuda")
 
     def _maybe_resume(self) -> Optional[Path]:
-        resume = self.cfg.train.resume
-        if resume == "never":
+        path = ckpt.resume_target(self.cfg.train.resume, self.run_dir,
+                                  say=print if self.dims.is_main else lambda msg: None)
+        if path is None:
             return None
-        if resume == "auto":
-            complete, torn = ckpt.list_checkpoints(self.run_dir / "checkpoints")
-            if self.dims.is_main:
-                for p in torn:
-                    print(f"resume: skipping incomplete checkpoint {p} (no {ckpt.MARKER})")
-            if not complete:
-                if self.dims.is_main:
-                    print(f"resume=auto: no checkpoint in {self.run_dir}, starting from step 0")
-                return None
-            path = complete[-1]
-        else:
-            path = ckpt.resolve_checkpoint(resume)
         meta = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.load_state_dict(meta["trainer"])
         if self.dims.is_main:
@@ -207,8 +192,7 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(micro):
                 with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), self._autocast():
-                    loss = (self.model(x, targets=y) if self.loss_in_model
-                            else self.loss_fn(self.model(x), y)) / len(micro)
+                    loss = self._loss(x, y) / len(micro)
                     loss.backward()
                 loss_sum += full(loss.detach())
         loss_mean = self._dp_mean(loss_sum)
@@ -229,6 +213,14 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
         return loss_mean, grad_norm
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The LM without TP asks the model for its loss (GPT.head_loss): the head and the
+        cross-entropy then compile with the forward and can run chunked (model.loss_chunk).
+        TP's loss_parallel and a task's own loss take the logits."""
+        if self.task is None and self.dims.tp == 1:
+            return self.model(x, targets=y)
+        return self.loss_fn(self.model(x), y)
 
     def _clip(self) -> torch.Tensor:
         if self.pp is None:
@@ -266,9 +258,8 @@ class Trainer:
         else:
             n = len(batches)
             for x, y in batches:
-                x, y = x.to(self.device), y.to(self.device)
                 with self._autocast():
-                    total += full(self.model(x, targets=y) if self.loss_in_model else lm_loss(self.model(x), y))
+                    total += full(self._loss(x.to(self.device), y.to(self.device)))
         self.model.train()
         return float(self._dp_mean(total / max(1, n)))
 
