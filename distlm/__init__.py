@@ -18,7 +18,7 @@ def __getattr__(name):
         from distlm.train.trainer import Trainer
         return Trainer
     if name == "load_model":
-        from distlm.inference import load_model
+        from distlm.model.load import load_model
         return load_model
     if name == "prepare":
         from distlm.data.prepare import prepare

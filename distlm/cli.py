@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from distlm.config import ConfigError, list_presets, load_config
+from distlm.config import ConfigError, list_presets, load_config, updated
 
 TRAIN_HELP = """\
 Train a GPT. Settings come from the defaults, then --config (a YAML file or a preset
@@ -190,7 +190,8 @@ def cmd_bench(args) -> int:
     overrides = ["log.root=runs/bench", "log.progress=false", "log.tensorboard=false", *args.overrides]
     cfg = load_config(args.config, overrides)
     if not cfg.log.name:
-        cfg.log.name = __import__("time").strftime("bench-%Y%m%d-%H%M%S")
+        import time
+        cfg = updated(cfg, log={"name": time.strftime("bench-%Y%m%d-%H%M%S")})
     if args.pp_sweep:
         return _pp_sweep(cfg, args)
     result = run_bench(cfg, args.warmup, args.steps, comm_probe=not args.no_comm_probe,
@@ -221,7 +222,7 @@ def cmd_plan(args) -> int:
         overrides.append(f"model.block_size={args.seq}")
     cfg = load_config(args.config, overrides)
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = 50257  # GPT-2 BPE, what a preset trains on unless told otherwise
+        cfg = updated(cfg, model={"vocab_size": 50257})  # GPT-2 BPE, what a preset trains on unless told otherwise
     gb = args.global_batch or cfg.train.global_batch_size
     mb = args.micro_batch or cfg.train.micro_batch_size
     ests = plan(cfg.model, args.gpus, args.gpu_mem_gb, gb, mb, peak_tflops=args.peak_tflops,
@@ -245,7 +246,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from distlm.parallel.launch import print_env
+    from distlm.launch.env import print_env
     return print_env(as_json=args.json)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ def doc(default, help=""):
     return field(default=default, metadata={"help": help})
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     n_layer: int = doc(2, "transformer blocks")
     n_head: int = doc(4, "attention heads")
@@ -42,7 +43,7 @@ class ModelConfig:
     vocab_pad_multiple: int = doc(64, "embedding rows are padded to a multiple of this for speed")
     position: str = choice("sinusoidal", "sinusoidal", "learned", "rope")
     norm: str = choice("layernorm", "layernorm", "rmsnorm")
-    mlp: str = choice("gelu", "gelu", "swiglu")
+    mlp: str = choice("gelu", "gelu", "swiglu", "relu2", help="relu2 = relu(x)^2")
     tie_embeddings: bool = True
     bias: bool = True
     dropout: float = 0.0
@@ -51,6 +52,18 @@ class ModelConfig:
     init_std: float = 0.02
     loss_chunk: int = doc(0, "training: head + cross-entropy this many tokens at a time, gradients formed "
                              "in the forward, so the whole logits tensor never exists; 0 = all at once")
+    qk_norm: bool = doc(False, "RMS-normalise queries and keys per head (no learned scale) before RoPE")
+    zero_init_proj: bool = doc(False, "attention and MLP output projections start at zero (each block starts "
+                                      "as the identity)")
+    logit_softcap: float = doc(0.0, "logits = cap * tanh(logits / cap); 0 = off")
+    value_embeds: int = doc(0, "extra token tables mixed into the attention values: table i feeds blocks i "
+                               "and n_layer-1-i, each through a learned scalar; 0 = off")
+    skip_connections: bool = doc(False, "U-net: the stream after block i is added, with a learned scalar, "
+                                        "into the input of block n_layer-1-i (first half into second)")
+    attn_mask: str = choice("causal", "causal", "doc",
+                            help="doc = causal attention that stops at end-of-text tokens (model.eot_id)")
+    attn_window: int = doc(0, "sliding window: a token sees at most this many positions, itself included; 0 = all")
+    eot_id: Optional[int] = doc(None, "end-of-text token for attn_mask=doc; null = the tokenizer's")
 
     @property
     def head_dim(self) -> int:
@@ -62,14 +75,20 @@ class ModelConfig:
         return -(-self.vocab_size // m) * m
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     dir: Optional[str] = doc(None, "a folder written by `distlm prepare`")
     source: str = choice("tokens", "tokens", "synthetic", help="synthetic = random tokens, for benchmarks")
     verify_checksums: bool = doc(True, "check shard sha256 against the manifest at start-up")
+    mix: str = doc("", "train on a weighted mixture of prepared folders instead of data.dir: one string, "
+                       "'[NAME=]FOLDER:WEIGHT' entries separated by commas, e.g. "
+                       "data.mix=web=data/owt:0.7,books=data/gut:0.2,code=data/code:0.1 on the command line and "
+                       "`mix: web=data/owt:0.7,books=data/gut:0.2,code=data/code:0.1` in YAML; NAME defaults to the "
+                       "folder's name, weights are positive numbers or fractions (1/3), normalised; all folders "
+                       "must share one tokenizer; empty = data.dir")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = 1337
     max_steps: int = 200
@@ -86,7 +105,8 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = doc(1.0, "max global grad norm; 0 disables")
     eval_every: int = doc(100, "steps between validation passes; 0 = only at the end")
-    eval_batches: int = doc(20, "micro-batches per validation pass")
+    eval_batches: int = doc(20, "micro-batches per validation pass, over all ranks, spread across the whole "
+                                "val split; 0 = the whole split")
     checkpoint_every: int = doc(0, "steps between checkpoints; 0 = only at the end")
     keep_last: int = doc(2, "checkpoints kept besides the best")
     async_checkpoint: bool = doc(False, "write checkpoints in the background (dcp.async_save)")
@@ -108,7 +128,7 @@ class TrainConfig:
     stop_check_every: int = doc(1, "steps between checks for SIGTERM/SIGINT across ranks")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     dp_replicate: int = doc(1, "DDP degree (replicas)")
     dp_shard: int = doc(1, "FSDP2 degree (shards)")
@@ -131,7 +151,7 @@ class ParallelConfig:
     fp16_compression: bool = doc(False, "Horovod: send gradients as fp16")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     root: str = doc("runs", "run directories live under this folder")
     name: Optional[str] = doc(None, "run name; default: a timestamp")
@@ -144,12 +164,12 @@ class LogConfig:
     samples: int = doc(3, "text samples generated at the end of training")
 
 
-@dataclass
+@dataclass(frozen=True)
 class InitConfig:
     from_hf: Optional[str] = doc(None, "start from a local Hugging Face GPT-2 or Llama folder (no hub access)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     """What is trained on the trunk. ``lm`` is next-token prediction; ``classify`` puts a
     pooling step and a linear head on the same blocks (distlm/tasks/classify/)."""
@@ -159,7 +179,7 @@ class TaskConfig:
     init_from: Optional[str] = doc(None, "classify: start the trunk from this distlm LM run or checkpoint")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -173,7 +193,15 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def updated(cfg: Config, **sections: dict) -> Config:
+    """A new Config with some fields changed, e.g. ``updated(cfg, model={"vocab_size": 50257})``.
+    The tree is frozen: this is how resolution fills what only the data or a checkpoint knows."""
+    for section, values in sections.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+    return cfg
 
 
 def list_presets() -> list[str]:
@@ -248,60 +276,69 @@ def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
     return out
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
-    if section not in SECTIONS:
-        raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
-    sub = getattr(cfg, section)
-    fields = _field_types(type(sub))
-    if key not in fields:
-        raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
-    typ, f = fields[key]
-    setattr(sub, key, _coerce(f"{section}.{key}", value, typ, f))
+class _Values:
+    """Field values gathered, checked and typed one by one, before the frozen tree is built."""
 
+    def __init__(self, base: Optional[Config] = None):
+        base = base or Config()
+        self.values = {section: dataclasses.asdict(getattr(base, section)) for section in SECTIONS}
 
-def _merge_dict(cfg: Config, data: dict, origin: str) -> None:
-    for section, values in data.items():
+    def set(self, section: str, key: str, value: Any) -> None:
         if section not in SECTIONS:
-            raise ConfigError(f"{origin}: unknown config section '{section}'{_suggest(section, SECTIONS)}")
-        if section == "model" and isinstance(values, str):
-            _merge_dict(cfg, {"model": _read_yaml(_preset_path(values)).get("model", {})}, values)
-            continue
-        if not isinstance(values, dict):
-            raise ConfigError(f"{origin}: section '{section}' must be a mapping, got {values!r}")
-        for key, value in values.items():
-            _apply(cfg, section, key, value)
+            raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
+        fields = _field_types(SECTIONS[section])
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
+        typ, f = fields[key]
+        self.values[section][key] = _coerce(f"{section}.{key}", value, typ, f)
+
+    def merge(self, data: dict, origin: str) -> None:
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"{origin}: unknown config section '{section}'{_suggest(section, SECTIONS)}")
+            if section == "model" and isinstance(values, str):
+                self.merge({"model": _read_yaml(_preset_path(values)).get("model", {})}, values)
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{origin}: section '{section}' must be a mapping, got {values!r}")
+            for key, value in values.items():
+                self.set(section, key, value)
+
+    def build(self) -> Config:
+        return Config(**{section: SECTIONS[section](**v) for section, v in self.values.items()})
 
 
 def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
     """Build the config: defaults <- FILE or preset <- dotted overrides, then validate."""
-    cfg = Config()
+    values = _Values()
     if config:
         path = _preset_path(config)
-        _merge_dict(cfg, _read_yaml(path), str(path))
+        values.merge(_read_yaml(path), str(path))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. train.max_steps=100)")
         key, value = item.split("=", 1)
         if key == "model":  # model=PRESET swaps in a preset's architecture
-            _merge_dict(cfg, {"model": value}, item)
+            values.merge({"model": value}, item)
             continue
         if key == "task":  # task=classify: shorthand for task.name=classify
-            _apply(cfg, "task", "name", value)
+            values.set("task", "name", value)
             continue
         if "." not in key:
             raise ConfigError(f"override '{item}': key must be section.field{_suggest(key, SECTIONS)}")
         section, name = key.split(".", 1)
         # The raw string: the field's type converts it (YAML would read "off" as False).
-        _apply(cfg, section, name, value)
+        values.set(section, name, value)
+    cfg = values.build()
     validate(cfg)
     return cfg
 
 
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config saved with a run or checkpoint."""
-    cfg = Config()
-    _merge_dict(cfg, data, "saved config")
-    return cfg
+    values = _Values()
+    values.merge(data, "saved config")
+    return values.build()
 
 
 def validate(cfg: Config) -> None:
@@ -314,6 +351,7 @@ def validate(cfg: Config) -> None:
     for key, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{key} must be positive, got {v}")
+    _validate_numbers(cfg)
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if m.position == "rope" and m.head_dim % 2:
@@ -340,11 +378,54 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={t.micro_batch_size} x data-parallel degree {dp}")
+    if cfg.data.mix and (cfg.data.dir or cfg.data.source == "synthetic"):
+        raise ConfigError("data.mix trains on its own folders: leave data.dir unset and data.source=tokens")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
     _validate_task(cfg)
+
+
+def _at_least(lo):
+    return (lambda v: v >= lo), f">= {lo}"
+
+
+def _above(lo):
+    return (lambda v: v > lo), f"> {lo}"
+
+
+def _in_unit(closed_top: bool):
+    return (lambda v: 0 <= v <= 1 if closed_top else 0 <= v < 1), "in [0, 1]" if closed_top else "in [0, 1)"
+
+
+# The numbers a typo can make absurd, with what they must be. A NaN passes no comparison
+# and is reported by the finiteness check, which runs first over every float field.
+_RANGES = {
+    "train.lr": _above(0), "train.min_lr": _at_least(0), "train.beta1": _in_unit(False),
+    "train.beta2": _in_unit(False), "train.eps": _above(0), "train.weight_decay": _at_least(0),
+    "train.grad_clip": _at_least(0), "train.warmup_steps": _at_least(0), "train.keep_last": _at_least(0),
+    "train.eval_every": _at_least(0), "train.eval_batches": _at_least(0), "train.checkpoint_every": _at_least(0),
+    "train.time_limit_s": _at_least(0), "train.max_nan_skips": _at_least(0), "train.watchdog_s": _at_least(0),
+    "train.stop_check_every": _at_least(1), "train.wsd_decay_fraction": _in_unit(True),
+    "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
+    "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
+    "log.samples": _at_least(0), "log.peak_tflops": _at_least(0),
+}
+
+
+def _validate_numbers(cfg: Config) -> None:
+    for section in SECTIONS:
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section}.{f.name} must be a finite number, got {v}")
+    for key, (ok, what) in _RANGES.items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if not ok(v):
+            raise ConfigError(f"{key} must be {what}, got {v}")
 
 
 def _validate_task(cfg: Config) -> None:
@@ -376,6 +457,16 @@ def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
                               f"set model.vocab_pad_multiple to a multiple of {p.tp}")
     if p.pp > 1 and p.pp_virtual_stages < 1:
         raise ConfigError(f"parallel.pp_virtual_stages must be positive, got {p.pp_virtual_stages}")
+    if p.pp > 1:
+        # A pipeline stage receives only the residual stream: not the token ids that document
+        # masks and value embeddings are computed from, nor the first half's outputs that
+        # U-net skips add, nor a window mask (the stages call the blocks directly).
+        crossing = [f"model.{k}={getattr(m, k)}" for k, off in (("value_embeds", 0), ("skip_connections", False),
+                                                                 ("attn_mask", "causal"), ("attn_window", 0))
+                    if getattr(m, k) != off]
+        if crossing:
+            raise ConfigError(f"parallel.pp={p.pp} does not support {', '.join(crossing)}: they need the token ids "
+                              f"or earlier blocks' outputs inside every stage; use data or tensor parallelism")
 
 
 def to_yaml(cfg: Config) -> str:

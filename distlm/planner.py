@@ -17,6 +17,7 @@ real training step holds.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from distlm.config import ModelConfig
@@ -187,6 +188,44 @@ def layouts(gpus: int, m: ModelConfig) -> list[Layout]:
     return out
 
 
+def skipped_layouts(gpus: int, m: ModelConfig) -> list[str]:
+    """Why degrees that divide the GPU count are missing from the table, one line each (a
+    silent gap reads as if the planner had not considered them)."""
+    degrees = [k for k in range(2, gpus + 1) if gpus % k == 0]
+    notes = []
+    heads = [t for t in degrees if m.n_head % t]
+    if heads:
+        notes.append(f"{', '.join(f'tp={t}' for t in heads)} skipped: {m.n_head} heads do not split by "
+                     f"{', '.join(map(str, heads))}{_head_count_hint(m, heads)}")
+    ff = [t for t in degrees if t not in heads and m.d_ff % t]
+    if ff:
+        notes.append(f"{', '.join(f'tp={t}' for t in ff)} skipped: d_ff {m.d_ff} does not split by "
+                     f"{', '.join(map(str, ff))}")
+    deep = [p for p in degrees if p > m.n_layer]
+    if deep:
+        notes.append(f"{', '.join(f'pp={p}' for p in deep)} skipped: {m.n_layer} layers cannot fill "
+                     f"{deep[0]} pipeline stages")
+    return notes
+
+
+def _head_count_hint(m: ModelConfig, tps: list[int]) -> str:
+    """The head count closest to the model's that every skipped degree splits and that
+    divides the width (gpt2-1.5b: 25 heads of 64 -> 20 heads of 80, the same size)."""
+    step = math.lcm(*tps)
+    fits = [h for h in range(step, m.d_model + 1, step) if m.d_model % h == 0]
+    if not fits:
+        return ""
+    best = min(fits, key=lambda h: (abs(h - m.n_head), h))
+    return f" (model.n_head={best} would)"
+
+
+def step_ms(seconds: float) -> str:
+    """Milliseconds, to three significant digits below 100 ms: a small model's step is a
+    fraction of a millisecond on a GPU, and a whole-number format would print 0."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_batch: int, **kw) -> list[Estimate]:
     """All layouts, the ones that fit first, each group fastest first."""
     ests = []
@@ -207,8 +246,8 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
     fits = [e for e in ests if e.fits]
     if len(fits) > 1:
         nxt = fits[1]
-        why.append(f"  fastest estimate among the {len(fits)} that fit: {best.step_s * 1e3:.0f} ms/step vs "
-                   f"{nxt.step_s * 1e3:.0f} for {nxt.layout.name}")
+        why.append(f"  fastest estimate among the {len(fits)} that fit: {step_ms(best.step_s)} ms/step vs "
+                   f"{step_ms(nxt.step_s)} for {nxt.layout.name}")
     if lay.pp > 1:
         why.append(f"  pipeline bubble {best.bubble:.0%}: more microbatches (smaller train.micro_batch_size) shrink it")
     if lay.ac == "full":
@@ -225,6 +264,6 @@ def format_table(ests: list[Estimate]) -> str:
     for e in ests:
         rows.append(f"| {e.layout.name} | {'yes' if e.fits else 'no'} | {e.params_gb:.2f} | {e.grads_gb:.2f} | "
                     f"{e.optim_gb:.2f} | {e.buffers_gb:.2f} | {e.activations_gb:.2f} | {e.total_gb:.2f} | "
-                    f"{e.comm_gb:.2f} | {e.bubble:.0%} | {e.step_s * 1e3:.0f} | {e.tokens_per_s:,.0f} |")
+                    f"{e.comm_gb:.2f} | {e.bubble:.0%} | {step_ms(e.step_s)} | {e.tokens_per_s:,.0f} |")
     return "\n".join(rows)
 

@@ -5,7 +5,7 @@
 import sys
 
 from distlm import SamplingConfig, generate_text, load_model
-from distlm.inference import load_run_tokenizer
+from distlm.model.load import load_run_tokenizer
 
 run, prompt = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "Once upon a time"
 model, cfg, folder = load_model(run, "cpu")

@@ -25,7 +25,8 @@ from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims
 from distlm.parallel.grad import clip_grad_norm, offloaded_norm
 from distlm.train.optim import one_mesh_per_group
-from distlm.train.trainer import Trainer, build_model
+from distlm.train.setup import build_model
+from distlm.train.trainer import Trainer
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ def _timeout_s(group) -> float:
 def inspect_model(trainer: Trainer) -> dict:
     """What the tests check before the first step. Collective (full_tensor)."""
     gpt, dims = trainer.gpt, trainer.dims
-    ref = build_model(trainer.cfg, ParallelDims(), torch.device("cpu"))[1]  # the single-process init
+    ref = build_model(trainer.cfg, ParallelDims(), torch.device("cpu"), trainer.task)[1]  # the single-process init
     ref_params = dict(ref.named_parameters())
     mismatched = [n for n, p in gpt.named_parameters() if not torch.equal(_full(p.detach()), ref_params[n])]
     axes = {n: _timeout_s(dims.mesh[n].get_group()) for n, k in
@@ -108,7 +109,7 @@ def main(plan_path: str) -> None:
                 "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
         if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
             info.update(inspect_model(trainer))
-            if trainer.dims.dp_shard > 1 and trainer.pp is None and trainer.dims.tp == 1:
+            if trainer.dims.dp_shard > 1 and trainer.stepper.parts is None and trainer.dims.tp == 1:
                 info["grad_norms"] = norm_paths(trainer)
         trainer.train()
         info["tied_after_training"] = _tied(trainer.gpt)

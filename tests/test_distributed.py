@@ -242,7 +242,7 @@ def test_final_checkpoints_load_as_one_process_and_agree(root, four, two):
     run load into a plain model and give the reference's logits. Logits, not weights: a
     parameter whose true gradient is zero (the attention key bias) gets an Adam update
     driven by rounding noise, so it differs between layouts without changing the output."""
-    from distlm.inference import load_model
+    from distlm.model.load import load_model
     from distlm.model.loss import lm_loss
     idx = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
     losses = {}

@@ -1,4 +1,5 @@
 """Hugging Face interop: export to GPT2LMHeadModel / LlamaForCausalLM, import back, exact logits."""
+import dataclasses
 import json
 
 import pytest
@@ -39,9 +40,8 @@ def randomize(model, seed=0):
 
 def make_run(root, tok=None, vocab_size=None, **model_kw):
     """A run folder as the Trainer leaves it: RUN/checkpoints/step_*/ and RUN/tokenizer/."""
-    cfg = Config()
-    cfg.model = ModelConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32,
-                            vocab_size=vocab_size or tok.vocab_size, **model_kw)
+    cfg = Config(model=ModelConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32,
+                                   vocab_size=vocab_size or tok.vocab_size, **model_kw))
     model = randomize(GPT(cfg.model))
     if tok is not None:
         (root / "tokenizer").mkdir(parents=True)
@@ -64,8 +64,7 @@ def max_diff(ours, hf, vocab, ids):
 
 
 def distlm_from_hf(path, meta=False):
-    cfg = ModelConfig()
-    apply_hf_model_config(cfg, path)
+    cfg = apply_hf_model_config(ModelConfig(), path)
     if meta:  # the Trainer's path: build on meta, materialise, init, then load
         with torch.device("meta"):
             model = GPT(cfg)
@@ -202,8 +201,7 @@ def test_import_gpt2_bin_without_prefix_and_shorter_context(tmp_path):
     hf = hf_randomize(transformers.GPT2LMHeadModel(conf))
     conf.save_pretrained(tmp_path)
     torch.save({k: v.clone() for k, v in hf.transformer.state_dict().items()}, tmp_path / "pytorch_model.bin")
-    cfg = ModelConfig()
-    apply_hf_model_config(cfg, tmp_path, block_size=16)
+    cfg = apply_hf_model_config(ModelConfig(), tmp_path, block_size=16)
     model = GPT(cfg)
     load_hf_into(model, tmp_path)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -241,9 +239,7 @@ def test_import_refuses_what_distlm_cannot_represent(tmp_path):
     # A model built with other fields than the folder's is refused, not half-loaded.
     conf = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4)
     transformers.GPT2LMHeadModel(conf).save_pretrained(tmp_path / "ok")
-    cfg = ModelConfig()
-    apply_hf_model_config(cfg, tmp_path / "ok")
-    cfg.n_layer = 3
+    cfg = dataclasses.replace(apply_hf_model_config(ModelConfig(), tmp_path / "ok"), n_layer=3)
     with pytest.raises(InteropError, match="model.n_layer=3"):
         load_hf_into(GPT(cfg), tmp_path / "ok")
 

@@ -172,7 +172,7 @@ def test_pipeline_checkpoint_generates_in_one_process(root, two, reference, caps
     """A PP run's checkpoint (each stage saved its part) loads whole into one process."""
     import torch
     from distlm.cli import main
-    from distlm.inference import load_model
+    from distlm.model.load import load_model
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = load_model(root / "pp2_data")[0](ids)

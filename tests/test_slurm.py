@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from distlm.parallel.launch import (LaunchError, expand_hostlist, gpus_per_node, parse_slurm_duration, run_finished,
+from distlm.launch.slurm import (LaunchError, expand_hostlist, gpus_per_node, parse_slurm_duration, run_finished,
                                     seconds_left, slurm_env_lines, slurm_rendezvous)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -51,8 +51,18 @@ def measure(device: torch.device, quick: bool = False) -> dict:
             "copy_gbs": gbs, "ridge_flops_per_byte": best * 1e12 / (gbs * 1e9), "torch": torch.__version__}
 
 
+def flop_rate(tflops: float) -> str:
+    """A FLOP rate in the unit that fits the device: a CPU's tens of GFLOP/s would print as
+    "0.0 TFLOP/s" in a GPU's unit."""
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.3g} GFLOP/s"
+
+
+def _figure(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def report(r: dict) -> str:
-    mm = ", ".join(f"{n}^3: {t:.1f}" for n, t in r["matmul_tflops"].items())
-    return (f"{r['device']}: dense {r['dtype'].replace('torch.', '')} matmul {r['matmul_tflops_best']:.1f} TFLOP/s "
-            f"({mm}); copy bandwidth {r['copy_gbs']:.0f} GB/s (read + write); ridge point "
-            f"{r['ridge_flops_per_byte']:.0f} FLOP/byte")
+    mm = ", ".join(f"{n}^3: {flop_rate(t)}" for n, t in r["matmul_tflops"].items())
+    return (f"{r['device']}: dense {r['dtype'].replace('torch.', '')} matmul {flop_rate(r['matmul_tflops_best'])} "
+            f"({mm}); copy bandwidth {_figure(r['copy_gbs'])} GB/s (read + write); ridge point "
+            f"{_figure(r['ridge_flops_per_byte'])} FLOP/byte")

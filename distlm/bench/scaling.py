@@ -17,13 +17,13 @@ ADVICE_THRESHOLD = 0.70
 
 
 def launch(n: int, config: str | None, overrides: list[str], axis: str, global_batch: int | None,
-           warmup: int, steps: int) -> dict:
+           warmup: int, steps: int, allow_cpu: bool = False) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"distlm-scaling-{n}-")) / "bench.json"
     args = [] if not config else ["--config", config]
     extra = [f"parallel.{axis}={n}"] + ([f"train.global_batch_size={global_batch}"] if global_batch else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "distlm",
-           "bench", *args, "--warmup", str(warmup), "--steps", str(steps), "--json", str(out), "--no-results",
-           *overrides, *extra]
+           "bench", *args, "--warmup", str(warmup), "--steps", str(steps), "--json", str(out),
+           *(["--allow-cpu"] if allow_cpu else []), *overrides, *extra]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -145,14 +145,14 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
 
 
 def run_scaling(sizes: list[int], config, overrides, axis: str, mode: str, warmup: int, steps: int,
-                out_dir: Path) -> str:
+                out_dir: Path, allow_cpu: bool = False) -> str:
     from distlm.config import load_config
     base_gbs = load_config(config, overrides).train.global_batch_size
     results = []
     for n in sizes:
         gbs = base_gbs * n // sizes[0] if mode == "weak" else base_gbs
         print(f"scaling: {n} process(es), global batch {gbs} ...", flush=True)
-        results.append(launch(n, config, overrides, axis, gbs, warmup, steps))
+        results.append(launch(n, config, overrides, axis, gbs, warmup, steps, allow_cpu))
     rows = analyse(results, mode)
     serial = amdahl_serial_fraction([r["gpus"] / rows[0]["gpus"] for r in rows], [r["speedup"] for r in rows])
     notes = advice(rows, axis)

@@ -14,13 +14,19 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from distlm.model.gpt import count_params
+from distlm.bench.ceilings import flop_rate
+from distlm.config import updated
+from distlm.io import atomic_write_text
 from distlm.train.metrics import device_name
+
+# on_step(phase, i, n) after step i of n of a phase ("warm-up", "timed", "no-sync"): a CPU
+# step of a real model takes seconds, and a silent benchmark looks hung.
+OnStep = Optional[Callable[[str, int, int], None]]
 
 FORMULA = "MFU = (tokens/s per GPU) x (6N + 12*L*d*T) / peak dense bf16 FLOP/s"
 
@@ -63,15 +69,17 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _timed_window(trainer, steps: int, sync_grads: bool) -> tuple[float, dict]:
+def _timed_window(trainer, steps: int, sync_grads: bool, on_step: OnStep = None) -> tuple[float, dict]:
     timer = PhaseTimer(trainer.device)
     _sync(trainer.device)
     if dist.is_initialized():
         dist.barrier()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
         timer.start()
         trainer.train_step(mark=timer.mark, sync_grads=sync_grads)
+        if on_step:
+            on_step("timed" if sync_grads else "no-sync", i + 1, steps)
     _sync(trainer.device)
     wall = time.perf_counter() - t0
     return wall, {k: v / steps for k, v in timer.collect().items()}
@@ -96,25 +104,28 @@ def cap_memory(gib: float) -> None:
 
 
 def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir: Optional[Path] = None,
-              memory_cap_gib: float = 0.0) -> dict:
+              memory_cap_gib: float = 0.0, on_step: OnStep = None) -> dict:
     from distlm.train.trainer import Trainer
     if memory_cap_gib and torch.cuda.is_available():
         cap_memory(memory_cap_gib)
     profile_steps = min(steps, 3) if profile_dir else 0
-    cfg.train.max_steps = max(cfg.train.max_steps, warmup + 2 * steps + profile_steps + 1)  # lr schedule stays in range
-    cfg.train.eval_every = 0
+    cfg = updated(cfg, train={"eval_every": 0,  # the lr schedule must stay in range for every timed step
+                              "max_steps": max(cfg.train.max_steps, warmup + 2 * steps + profile_steps + 1)})
     trainer = Trainer(cfg)
+    cfg = trainer.cfg  # resolved against the data
     dims, device = trainer.dims, trainer.device
-    for _ in range(warmup):
+    for i in range(warmup):
         trainer.train_step()
+        if on_step:
+            on_step("warm-up", i + 1, warmup)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    wall, phases = _timed_window(trainer, steps, sync_grads=True)
+    wall, phases = _timed_window(trainer, steps, sync_grads=True, on_step=on_step)
     wall = _max_over_ranks(wall, device)
     step_s = wall / steps
     exposed = None
     if comm_probe and dims.dp_size > 1:
-        wall_nosync, _ = _timed_window(trainer, steps, sync_grads=False)
+        wall_nosync, _ = _timed_window(trainer, steps, sync_grads=False, on_step=on_step)
         exposed = max(0.0, step_s - _max_over_ranks(wall_nosync, device) / steps)
     prof = None
     if profile_dir:
@@ -137,15 +148,14 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp},
         "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "block_size": cfg.model.block_size,
                   # a pipeline rank holds only part of the model: count the whole one
-                  "params": count_params(trainer.cfg.model, False) if trainer.pp is not None
-                  else trainer.gpt.num_params(False)},
+                  "params": trainer.stepper.num_params(trainer.gpt, cfg, non_embedding=False)},
         "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
         "accum_steps": trainer.loader.accum_steps, "compile": cfg.train.compile,
         "activation_checkpoint": cfg.parallel.activation_checkpoint, "dtype": str(trainer.amp_dtype or "fp32"),
         "warmup_steps": warmup, "timed_steps": steps,
         "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_gpu": per_gpu,
         # classify: time per epoch and examples/s (its tokens/s counts rows padded to block_size)
-        **(trainer.task.bench_fields(trainer, step_s) if trainer.task is not None else {}),
+        **trainer.task.bench_fields(trainer, step_s),
         "phases_s": phases, "exposed_comm_s": exposed,
         "compute_comm_ratio": (compute / exposed) if exposed else None,
         "flops_per_token": fpt, "achieved_tflops_per_gpu": achieved, "peak_tflops": peak,
@@ -154,8 +164,8 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "peak_mem_gb": _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
         if device.type == "cuda" else None,
         "pp_schedule": cfg.parallel.pp_schedule if dims.pp > 1 else None,
-        "pp_microbatches": trainer.pp.n_microbatches if trainer.pp is not None else None,
-        "date": time.strftime("%Y-%m-%d"), "memory_cap_gib": memory_cap_gib or None,
+        "pp_microbatches": trainer.stepper.n_microbatches,
+        "date": time.strftime("%Y-%m-%d"), "memory_cap_gib": memory_cap_gib or None, "run_dir": str(trainer.run_dir),
         "profile": prof and {"dir": str(profile_dir), "categories_s": prof["categories_s"], "idle_s": prof["idle_s"]},
     }
     return result
@@ -164,11 +174,12 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
 def markdown_row(r: dict) -> str:
     def f(v, spec):
         return "n/a" if v is None else format(v, spec)
+    tflops = r["achieved_tflops_per_gpu"]
     lay = r["layout"]
     layout = f"dpr{lay['dp_replicate']}·dps{lay['dp_shard']}·tp{lay['tp']}·pp{lay['pp']}"
     return (f"| {r['date']} | {r['device']} | {r['world_size']} | {layout} | {r['model']['params'] / 1e6:.0f}M "
             f"T={r['model']['block_size']} | {r['global_batch_size']}/{r['micro_batch_size']} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {f(r['achieved_tflops_per_gpu'], '.1f')} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {f(tflops, '.1f' if tflops >= 1 else '.3g')} | "
             f"{f(r['mfu'] and 100 * r['mfu'], '.1f')} | {f(r['peak_mem_gb'], '.1f')} | "
             f"{f(r['exposed_comm_s'] and 1e3 * r['exposed_comm_s'], '.1f')} | torch {r['torch']} |")
 
@@ -178,9 +189,11 @@ HEADER = ("| date | device | GPUs | layout | model | batch (global/micro) | tok/
 
 
 def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
+    """The result on stdout; the JSON file and a Markdown row only where asked."""
     ph = r["phases_s"]
+    per = "device" if r["device"] == "cpu" else "GPU"
     print(f"{r['device']} x{r['world_size']}: {r['tokens_per_s']:,.0f} tok/s "
-          f"({r['tokens_per_s_per_gpu']:,.0f}/GPU), step {1e3 * r['step_s']:.1f} ms = data "
+          f"({r['tokens_per_s_per_gpu']:,.0f}/{per}), step {1e3 * r['step_s']:.1f} ms = data "
           f"{1e3 * ph.get('data', 0):.1f} + fwd/bwd {1e3 * ph.get('forward_backward', 0):.1f} + optimizer "
           f"{1e3 * ph.get('optimizer', 0):.1f} ms")
     if "epoch_s" in r:
@@ -190,7 +203,8 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
         print(f"exposed communication {1e3 * r['exposed_comm_s']:.1f} ms/step, compute/comm R = "
               f"{r['compute_comm_ratio'] or float('inf'):.1f}")
     mfu = "n/a (peak unknown for this device; set log.peak_tflops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    print(f"{r['achieved_tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}; peak {r['peak_tflops']} TF; {FORMULA}")
+    peak = f"peak {r['peak_tflops']:g} TFLOP/s" if r["peak_tflops"] else "peak n/a"
+    print(f"{flop_rate(r['achieved_tflops_per_gpu'])} per {per}, MFU {mfu}; {peak}; {FORMULA}")
     if r.get("profile"):
         split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["profile"]["categories_s"].items())
         print(f"profile (ms per step): {split}, idle {1e3 * r['profile']['idle_s']:.1f}; "
@@ -198,7 +212,8 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
     if r["peak_mem_gb"] is not None:
         print(f"peak memory {r['peak_mem_gb']:.2f} GiB per GPU (max over ranks)")
     if json_out:
-        Path(json_out).write_text(json.dumps(r, indent=1))
+        atomic_write_text(json_out, json.dumps(r, indent=1))
+        print(f"wrote {json_out}")
     if results:
         results = Path(results)
         new = not results.exists()

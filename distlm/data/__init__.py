@@ -51,7 +51,32 @@ def load_manifest(data_dir: str | Path) -> dict:
     for key in ("tokenizer", "dtype", "splits"):
         if key not in manifest:
             raise DataError(f"{path}: missing field {key!r}")
+    tok = manifest["tokenizer"]
+    if not isinstance(tok, dict) or not isinstance(tok.get("name"), str):
+        raise DataError(f"{path}: field 'tokenizer' must hold the tokenizer's name")
+    vocab = tok.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+        raise DataError(f"{path}: tokenizer.vocab_size must be a positive integer, got {vocab!r}")
     return manifest
+
+
+def fit_vocab(model_vocab: int | None, manifest: dict, data_dir: str | Path) -> int:
+    """model.vocab_size for this data: the tokenizer's when unset; refused when smaller."""
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    if model_vocab is None:
+        return vocab
+    if model_vocab < vocab:
+        raise DataError(f"model.vocab_size={model_vocab} is smaller than the data's vocabulary "
+                        f"({vocab}, tokenizer {manifest['tokenizer']['name']} in {data_dir}/manifest.json)")
+    return model_vocab
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Two manifests' (or a run's and a manifest's) tokenizer records name the same token ids.
+    Records written before fingerprints existed compare by name and size."""
+    if a.get("fingerprint") and b.get("fingerprint"):
+        return a["fingerprint"] == b["fingerprint"]
+    return a.get("name") == b.get("name") and a.get("vocab_size") == b.get("vocab_size")
 
 
 def _shards(manifest: dict) -> list[dict]:
@@ -92,4 +117,5 @@ def verify_shards(data_dir: str | Path, manifest: dict | None = None) -> None:
             raise DataError(f"{path}: sha256 {digest.hexdigest()} does not match the manifest's {shard['sha256']}")
 
 
-__all__ = ["DataError", "FORMAT_VERSION", "MANIFEST", "load_manifest", "shards_present", "verify_shards"]
+__all__ = ["DataError", "FORMAT_VERSION", "MANIFEST", "fit_vocab", "load_manifest", "same_tokenizer", "shards_present",
+           "verify_shards"]

@@ -326,9 +326,27 @@ def _packed(run: array) -> bytes:
 _WORKER: Tokenizer | None = None
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its parent dies: a `kill -9` of `distlm prepare`
+    must not leave its tokenizer processes running (they would hold memory and the CPUs).
+    Elsewhere (macOS) there is no such call and nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    pr_set_pdeathsig = 1  # from <linux/prctl.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    import multiprocessing
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the call took effect
+        os._exit(1)
+
+
 def pool_init(tok: Tokenizer) -> None:
     """Worker initializer: keep the tokenizer (sent once, or inherited by fork) and build it."""
     global _WORKER
+    die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool already uses every core
     _WORKER = tok
     tok.encoding  # noqa: B018 - GPT-2's is built on first use: now, while the parent reads

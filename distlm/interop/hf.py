@@ -3,7 +3,9 @@
 Only exact mappings are written: learned or sinusoidal positions + layernorm + gelu
 become ``GPT2LMHeadModel``, rope + rmsnorm + swiglu become ``LlamaForCausalLM``.
 Any other combination raises ExportError rather than producing a model whose logits
-differ from the checkpoint's. The folder is built without importing ``transformers``
+differ from the checkpoint's, and so do the modern-block options neither class can
+express (``inexpressible``). ``model.zero_init_proj`` is only an initialisation and
+exports like any other model. The folder is built without importing ``transformers``
 (config.json is written by hand), so a training box can export without it.
 
 The tensor-name table (``weight_pairs``) is shared with the import side
@@ -33,8 +35,32 @@ class ExportError(InteropError):
     pass
 
 
+# Options GPT2LMHeadModel and LlamaForCausalLM have no field for, with what each changes.
+# (model.mlp=relu2 is refused by hf_architecture: neither class's MLP has that activation.)
+_INEXPRESSIBLE = (
+    ("qk_norm", False, "no norm on queries and keys"),
+    ("logit_softcap", 0.0, "no logit soft-cap"),
+    ("value_embeds", 0, "no value embeddings"),
+    ("skip_connections", False, "no U-net skips"),
+    ("attn_mask", "causal", "attention crosses end-of-text tokens"),
+    ("attn_window", 0, "no sliding window"),
+)
+
+
+def inexpressible(cfg: ModelConfig, allow: tuple[str, ...] = ()) -> list[str]:
+    """'model.FIELD=VALUE (what HF lacks)' for each option set that the HF classes cannot
+    express, except those in ``allow``."""
+    return [f"model.{k}={getattr(cfg, k)} ({why})" for k, off, why in _INEXPRESSIBLE
+            if k not in allow and getattr(cfg, k) != off]
+
+
 def hf_architecture(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama'; ExportError naming the fields that rule out both."""
+    options = inexpressible(cfg)
+    if options:
+        raise ExportError(f"{', '.join(options)}: Hugging Face GPT-2 and Llama cannot express "
+                          f"{'this option' if len(options) == 1 else 'these options'}; the exported model "
+                          f"would compute other logits")
     if cfg.position in ("learned", "sinusoidal"):
         wrong = [f"model.{k}={getattr(cfg, k)}" for k, want in (("norm", "layernorm"), ("mlp", "gelu"))
                  if getattr(cfg, k) != want]
@@ -163,7 +189,7 @@ def export_hf(run_or_ckpt, out_dir, *, dtype: str = "fp32", overwrite: bool = Fa
     """
     from safetensors.torch import save_file
 
-    from distlm.inference import load_model, load_run_tokenizer
+    from distlm.model.load import load_model, load_run_tokenizer
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out_dir)

@@ -3,12 +3,14 @@
 Two steps, because the architecture must be known before the model is built (possibly
 on the meta device and sharded) and the weights can only be copied after:
 
-    apply_hf_model_config(cfg.model, path)   # before GPT(cfg.model)
+    model_cfg = apply_hf_model_config(cfg.model, path)   # before GPT(model_cfg)
     load_hf_into(model, path)                # after init_weights()
 
 Weights are read lazily (safetensors) or with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import json
 import math
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from distlm.config import ModelConfig
-from distlm.interop.hf import InteropError, weight_pairs
+from distlm.interop.hf import InteropError, inexpressible, weight_pairs
 
 # transformers 4.x omits fields equal to the class default from config.json.
 _DEFAULTS = {
@@ -90,22 +92,33 @@ def model_config_from_hf(path) -> dict:
     return out
 
 
-def apply_hf_model_config(model_cfg: ModelConfig, path, block_size: int | None = None) -> dict:
-    """Set the architecture fields of ``model_cfg`` from the HF folder, in place; returns them.
+def apply_hf_model_config(model_cfg: ModelConfig, path, block_size: int | None = None) -> ModelConfig:
+    """``model_cfg`` with its architecture fields taken from the HF folder (a new, frozen config).
 
     block_size: keep a shorter context than the HF model's (its learned position table is
     cut to fit); None takes the HF value. Fields not about architecture (dropout,
     vocab_pad_multiple, init_std) are left as they are.
     """
     fields = model_config_from_hf(path)
+    _refuse_modern_options(model_cfg, path)
     if block_size is not None:
         if block_size > fields["block_size"] and fields["position"] == "learned":
             raise InteropError(f"model.block_size={block_size} exceeds the {fields['block_size']} positions "
                                f"learned by {path}")
         fields["block_size"] = block_size
-    for k, v in fields.items():
-        setattr(model_cfg, k, v)
-    return fields
+    return dataclasses.replace(model_cfg, **fields)
+
+
+def _refuse_modern_options(model_cfg: ModelConfig, path) -> None:
+    """An HF GPT-2/Llama is a model with the modern-block options off. Starting from it
+    with QK-norm, a soft-cap, value embeddings or skips on would be another function of
+    the same weights (or need weights HF lacks), so those are refused, not silently
+    dropped. Attention masks are allowed: the weights map exactly and a document mask or
+    window is a choice of what to attend to when training on, not of the parameters."""
+    options = inexpressible(model_cfg, allow=("attn_mask", "attn_window"))
+    if options:
+        raise InteropError(f"init.from_hf={path}: {', '.join(options)} is not part of a Hugging Face GPT-2/Llama "
+                           f"model; turn it off to start from one")
 
 
 class _Weights:
@@ -158,6 +171,7 @@ def load_hf_into(model, path) -> int:
     from distlm.model.gpt import _copy_shard
     cfg = model.cfg
     want = model_config_from_hf(path)
+    _refuse_modern_options(cfg, path)
     kind = "gpt2" if want["position"] == "learned" else "llama"
     wrong = [f"model.{k}={getattr(cfg, k)} (HF {want[k]})" for k, v in want.items()
              if k != "block_size" and (not math.isclose(getattr(cfg, k), v) if isinstance(v, float)

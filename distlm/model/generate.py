@@ -1,11 +1,13 @@
 """Sampling with a KV cache: temperature, top-k, top-p, a seed, several samples, streaming."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 
+from distlm.config import ConfigError
 from distlm.model.gpt import GPT
 
 
@@ -37,12 +39,34 @@ class KVCache:
 
 @dataclass
 class SamplingConfig:
+    """How tokens are drawn. Checked when built: a bad value would otherwise fail deep in
+    sampling ("probability tensor contains nan") or silently mean something else. Each
+    message names the field and the `distlm generate` flag that sets it."""
     max_new_tokens: int = 100
-    temperature: float = 0.8
-    top_k: Optional[int] = 200
-    top_p: Optional[float] = None
+    temperature: float = 0.8        # 0 = greedy
+    top_k: Optional[int] = 200      # None or 0 = off
+    top_p: Optional[float] = None   # None = off; else in (0, 1]
     seed: Optional[int] = None
     stop_at_eos: bool = True
+
+    def __post_init__(self):
+        def bad(name: str, want: str, hint: str = "") -> ConfigError:
+            flag = "--" + name.replace("_", "-")
+            return ConfigError(f"{name} ({flag}) must be {want}, got {getattr(self, name)!r}{hint}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "a positive integer")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0", "; 0 = greedy")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise bad("top_k", "an integer >= 0", "; 0 = off")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            # top_p=0 would keep no token at all (the NaN of an all -inf softmax)
+            raise bad("top_p", "in (0, 1]", "; for greedy decoding use temperature 0")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", "an integer")
 
 
 def sample_next(logits: torch.Tensor, sc: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
@@ -76,6 +100,8 @@ def generate_tokens(model: GPT, prompt: list[int], sc: SamplingConfig, num_sampl
     model.eval()
     cfg = model.cfg
     device = next(model.parameters()).device
+    if num_samples < 1:
+        raise ConfigError(f"num_samples (--num-samples) must be at least 1, got {num_samples}")
     gen = torch.Generator().manual_seed(sc.seed if sc.seed is not None else torch.seed())
     tokens = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     if tokens.shape[1] == 0:

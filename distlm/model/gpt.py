@@ -1,7 +1,9 @@
 """A decoder-only GPT as a plain nn.Module. Imports only torch and the config.
 
-Every option (positions, norm, MLP, tying, bias, dropout) is a config field; the
-model never asks which rank or device it is on. Parallelism is applied to it from
+Every option (positions, norm, MLP, tying, bias, dropout, and the "modern block":
+QK-norm, ReLU^2, zero-initialised projections, logit soft-cap, value embeddings, U-net
+skips, document and sliding-window attention) is a config field, off by default; the
+model never asks which rank it is on. Parallelism is applied to it from
 outside (distlm.parallel). It can be built on the meta device and initialised
 after sharding with ``init_weights()``.
 """
@@ -14,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlm.config import ModelConfig
+from distlm.config import ConfigError, ModelConfig
+from distlm.model.attention import attend, block_mask, dense_mask, document_ids, flex_usable
 from distlm.model.loss import chunked_head_loss, lm_loss
 
 
@@ -69,11 +72,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """QK-norm: each head's vector scaled to unit RMS, in fp32, x (B, T, H, hd).
+
+    No learned gain. Its gradient would be a sum over heads, which tensor parallelism
+    splits across ranks (so it would need its own reduction), and the gain is largely
+    redundant: wq/wk can only change the direction of a normalised vector, but a gain
+    would set the attention temperature, bounded here by |q.k|/sqrt(hd) <= sqrt(hd)
+    (8 at hd=64, i.e. softmax weights up to e^16 apart, sharp enough in practice)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
+class Scalar(nn.Module):
+    """One learned number multiplying its input: the weight of a U-net skip or of a value
+    embedding. A module rather than a bare parameter so that tensor parallelism can say
+    how its input is laid out (distlm.parallel.tp)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.scale.to(x.dtype)
+
+
+class SoftcapLinear(nn.Linear):
+    """The head with logit soft-capping: cap * tanh(z / cap), in fp32. Being the head
+    itself, every path that produces logits (training, evaluation, generation, a pipeline's
+    last stage, the vocabulary-parallel head) caps them; the chunked loss reads
+    ``softcap`` and caps its chunks (distlm.model.loss)."""
+
+    def __init__(self, d_in: int, d_out: int, softcap: float):
+        super().__init__(d_in, d_out, bias=False)
+        self.softcap = softcap
+
+    def forward(self, x):
+        return self.softcap * torch.tanh(super().forward(x).float() / self.softcap)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.qk_norm = cfg.qk_norm
+        self.norm_eps = cfg.norm_eps
         # Separate q/k/v projections: tensor parallelism can then shard each by columns
         # without interleaving heads of q, k and v.
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
@@ -81,6 +124,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # Value embeddings: this block's values get ve_weight * (a token table's row).
+        self.ve_weight = Scalar() if value_embed else None
         # One (d, 3d) matmul instead of three (d, d): measured faster on GPUs, where a
         # d=768 matmul is too narrow to fill the card. The weights are concatenated per
         # call (a few MB, against activations of tokens x 3d), so parameters, checkpoints
@@ -95,24 +140,34 @@ class Attention(nn.Module):
         b = torch.cat((self.wq.bias, self.wk.bias, self.wv.bias)) if self.wq.bias is not None else None
         return F.linear(x, w, b).chunk(3, dim=-1)
 
-    def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True):
+    def project(self, x, rope=None, ve=None):
+        """q, k, v as (B, H, T, hd): projected, values mixed with the value embedding ``ve``
+        (B, T, H*hd), q and k normalised (qk_norm) and then rotated (rope)."""
         B, T, _ = x.shape
-        # -1 for the head count: under TP each rank holds only its local heads.
+        # -1 for the head count: under TP each rank holds only its local heads (and ve
+        # arrives as the matching slice of columns).
         q, k, v = (t.reshape(B, T, -1, self.head_dim) for t in self.qkv(x))
+        if ve is not None:
+            v = v + self.ve_weight(ve).reshape(v.shape)
+        if self.qk_norm:
+            q, k = head_rms_norm(q, self.norm_eps), head_rms_norm(k, self.norm_eps)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # attn_mask/causal come from the classifier (bidirectional, padding); the LM keeps the defaults.
+        return tuple(t.transpose(1, 2) for t in (q, k, v))
+
+    def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True, ve=None):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, rope, ve)
+        # attn_mask/causal come from the classifier (bidirectional, padding) or, for the LM,
+        # from GPT.attention_mask (documents, windows); plain causal LM attention has neither.
         mask = attn_mask
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
             if start_pos > 0:
                 causal = False
-                if T > 1:  # a chunk after a prefix: query i sees keys up to start_pos + i
+                if T > 1 and mask is None:  # a chunk after a prefix: query i sees keys up to start_pos + i
                     mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(start_pos)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-            dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, mask, causal, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
 
@@ -121,6 +176,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
+        self.relu2 = cfg.mlp == "relu2"
         self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
@@ -129,22 +185,68 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.swiglu:
             h = F.silu(self.w_gate(x)) * self.w_in(x)
+        elif self.relu2:
+            h = F.relu(self.w_in(x)).square()
         else:
             h = F.gelu(self.w_in(x), approximate="tanh")  # GPT-2's gelu
         return self.drop(self.w_out(h))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, value_embed=value_embed_table(cfg, layer) is not None)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
+        # U-net skip into this block (second half only), see GPT.forward
+        self.skip_weight = Scalar() if skip_source(cfg, layer) is not None else None
 
-    def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True):
-        x = x + self.attn(self.attn_norm(x), rope, cache, start_pos, attn_mask, causal)
+    def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
+                ve=None, skip=None):
+        # The skip is added here, not in GPT.forward: under FSDP2 a block's parameters
+        # (skip_weight among them) are gathered only inside its own forward.
+        if skip is not None:
+            x = x + self.skip_weight(skip)
+        # attn takes exactly these 7 positional inputs (the TP plan lays out the first).
+        x = x + self.attn(self.attn_norm(x), rope, cache, start_pos, attn_mask, causal, ve)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def value_embed_table(cfg: ModelConfig, layer: int):
+    """The value-embedding table block ``layer`` reads, or None: table i feeds block i and
+    block n_layer-1-i, the first and last blocks sharing tables as a U-net shares levels."""
+    n, L = cfg.value_embeds, cfg.n_layer
+    if layer < n:
+        return layer
+    if layer >= L - n:
+        return L - 1 - layer
+    return None
+
+
+def skip_source(cfg: ModelConfig, layer: int):
+    """The block whose output is added into the input of block ``layer``, or None: block
+    L-1-i receives block i's output for i < L//2 (an odd middle block receives none)."""
+    L = cfg.n_layer
+    if cfg.skip_connections and layer >= L - L // 2:
+        return L - 1 - layer
+    return None
+
+
+def check_options(cfg: ModelConfig) -> None:
+    """The model options that need more than their type to be valid."""
+    if cfg.logit_softcap < 0:
+        raise ConfigError(f"model.logit_softcap must be >= 0 (0 = off), got {cfg.logit_softcap}")
+    if cfg.attn_window < 0:
+        raise ConfigError(f"model.attn_window must be >= 0 (0 = off), got {cfg.attn_window}")
+    if not 0 <= 2 * cfg.value_embeds <= cfg.n_layer:
+        raise ConfigError(f"model.value_embeds={cfg.value_embeds}: each table feeds two blocks (the i-th from "
+                          f"each end), so at most n_layer/2 = {cfg.n_layer // 2}")
+    if cfg.dropout and (cfg.attn_mask != "causal" or cfg.attn_window):
+        raise ConfigError(f"model.dropout={cfg.dropout} with model.attn_mask={cfg.attn_mask} / model.attn_window="
+                          f"{cfg.attn_window}: FlexAttention has no attention dropout; set model.dropout=0")
+    if cfg.eot_id is not None and cfg.vocab_size is not None and not 0 <= cfg.eot_id < cfg.vocab_size:
+        raise ConfigError(f"model.eot_id={cfg.eot_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
 
 
 class GPT(nn.Module):
@@ -154,16 +256,21 @@ class GPT(nn.Module):
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("model.vocab_size must be set before building the model")
+        check_options(cfg)
         self.cfg = cfg
         V = cfg.padded_vocab_size
         self.tok_emb = nn.Embedding(V, cfg.d_model)
+        # Value embeddings: more token tables, read by the attention of the outer blocks.
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, cfg.d_model) for i in range(cfg.value_embeds)}) \
+            if cfg.value_embeds else None
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         # A ModuleDict keyed "0".."L-1": pipeline stages delete the blocks they do not
         # own and the rest keep their fully-qualified names, so checkpoints stay layout-free.
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.norm = make_norm(cfg)
-        self.head = nn.Linear(cfg.d_model, V, bias=False)
+        self.head = SoftcapLinear(cfg.d_model, V, cfg.logit_softcap) if cfg.logit_softcap \
+            else nn.Linear(cfg.d_model, V, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         # Fixed tables are non-persistent buffers: derived from the config, never checkpointed.
@@ -193,7 +300,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, device=None):
         """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L), zero biases,
-        unit norm weights.
+        unit norm weights. With model.zero_init_proj the two residual projections (attn.wo,
+        mlp.w_out) start at zero instead, so every block starts as the identity; the
+        scalar weights of skips and value embeddings start at one.
 
         Each parameter is drawn whole from its own generator, seeded by (seed, name), and
         each rank keeps only its shard of it. So the initial model is the same on one
@@ -203,15 +312,16 @@ class GPT(nn.Module):
         """
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        resid_proj = ("wo.weight", "w_out.weight")
         for name, p in self.named_parameters():
             leaf = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-            if leaf.endswith("bias"):
+            if leaf.endswith("bias") or (self.cfg.zero_init_proj and leaf.endswith(resid_proj)):
                 full = torch.zeros(p.shape)
-            elif leaf.endswith("norm.weight"):
+            elif leaf.endswith(("norm.weight", ".scale")):
                 full = torch.ones(p.shape)
             else:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(leaf.encode()))
-                s = resid_std if leaf.endswith(("wo.weight", "w_out.weight")) else std
+                s = resid_std if leaf.endswith(resid_proj) else std
                 full = torch.empty(p.shape).normal_(0.0, s, generator=gen)
             _copy_shard(p, full)
         self.init_buffers(device)
@@ -231,6 +341,29 @@ class GPT(nn.Module):
             return None
         return self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
 
+    def attention_mask(self, idx: torch.Tensor, start_pos: int = 0, cache=None):
+        """The keys each query may see, for every block of this forward (distlm.model.attention):
+        None for plain causal attention, else a dense boolean mask or, on CUDA, a
+        FlexAttention BlockMask. With a KV cache (generation) document boundaries are not
+        applied: the context is taken as one document; the window is."""
+        cfg = self.cfg
+        if cfg.attn_mask == "causal" and not cfg.attn_window:
+            return None
+        B, T = idx.shape[:2]
+        if cache is not None:
+            if not cfg.attn_window:
+                return None
+            return dense_mask(T, start_pos + T, idx.device, start_pos, window=cfg.attn_window)
+        docs = None
+        if cfg.attn_mask == "doc":
+            if cfg.eot_id is None:
+                raise ConfigError("model.attn_mask=doc needs model.eot_id, the end-of-text token id (the "
+                                  "tokenizer's; the training run takes it from the data)")
+            docs = document_ids(idx, cfg.eot_id)
+        if flex_usable(idx.device):
+            return block_mask(docs, B if docs is not None else 1, T, cfg.attn_window, idx.device)
+        return dense_mask(T, T, idx.device, docs=docs, window=cfg.attn_window)
+
     def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0, *,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or with ``targets`` the mean next-token loss: then the head and the loss
@@ -239,8 +372,17 @@ class GPT(nn.Module):
         # A part without tok_emb (a pipeline stage) takes the residual stream as input.
         x = self.embed(idx, start_pos) if self.tok_emb is not None else idx
         rope = self.rope_at(start_pos, idx.shape[1])
+        mask = self.attention_mask(idx, start_pos, cache)
+        ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
+        skips = []  # U-net: outputs of the first half's blocks, last in first out
         for i, block in self.blocks.items():
-            x = block(x, rope, cache.layer(int(i)) if cache is not None else None, start_pos)
+            layer = int(i)
+            table = value_embed_table(self.cfg, layer) if ves is not None else None
+            skip = skips.pop() if skip_source(self.cfg, layer) is not None else None
+            x = block(x, rope, cache.layer(layer) if cache is not None else None, start_pos, mask, True,
+                      ves[table] if table is not None else None, skip)
+            if self.cfg.skip_connections and layer < self.cfg.n_layer // 2:
+                skips.append(x)
         if targets is not None:
             return self.head_loss(x, targets)
         if self.norm is not None:
@@ -252,7 +394,7 @@ class GPT(nn.Module):
         a chunk of tokens at a time and never whole (distlm.model.loss)."""
         x = self.norm(x)
         if self.cfg.loss_chunk:
-            return chunked_head_loss(x, self.head.weight, targets, self.cfg.loss_chunk)
+            return chunked_head_loss(x, self.head.weight, targets, self.cfg.loss_chunk, self.cfg.logit_softcap)
         return lm_loss(self.head(x), targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -261,8 +403,9 @@ class GPT(nn.Module):
         cfg = self.cfg
         n = sum(p.numel() for p in self.parameters())
         pad_rows = cfg.padded_vocab_size - cfg.vocab_size
-        n -= pad_rows * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+        n -= pad_rows * cfg.d_model * ((1 if cfg.tie_embeddings else 2) + cfg.value_embeds)
         if non_embedding:
+            n -= cfg.value_embeds * cfg.vocab_size * cfg.d_model  # lookups, like the input table
             if self.pos_emb is not None:
                 n -= self.pos_emb.weight.numel()
             if not cfg.tie_embeddings:

@@ -2,7 +2,8 @@
 
 Pipeline split (each rank keeps its stages), then TP, then activation checkpointing,
 then torch.compile per block, then FSDP2, then allocation + init (``materialize``),
-then DDP.
+then DDP. Returns the model to train and the step engine that drives it
+(distlm/parallel/step.py): the Trainer never asks which layout it runs.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 
 from distlm.config import Config
 from distlm.parallel.dims import ParallelDims
+from distlm.parallel.step import PipelineStep, PlainStep
 
 
 def apply_compile(model: nn.Module, scope: str = "block", mode: str = "default") -> None:
@@ -42,7 +44,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                 materialize: Optional[Callable[[nn.Module], None]] = None):
     """Returns the model to train (a DDP wrapper, or ``model`` itself sharded in place),
-    and, under pipeline parallelism, the ``PipelineParts`` whose schedule drives it.
+    and its step engine: a ``PipelineStep`` over the rank's stages under pipeline
+    parallelism, else a ``PlainStep``.
 
     The order, written once: pipeline split (prune to this rank's stages), TP, activation
     checkpointing, compile, FSDP2, allocation + init, DDP. ``materialize(model)``
@@ -56,9 +59,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parts = build_pipeline(model, dims, pcfg, cfg.model)
         model = parts.model
     if dims.tp > 1:
-        from distlm.config import check_model_split
         from distlm.parallel.tp import apply_tp
-        check_model_split(cfg.model, pcfg)  # the vocabulary is known only now
         apply_tp(model, dims.mesh["tp"], pcfg)
     if pcfg.activation_checkpoint != "none":
         apply_activation_checkpointing(model, pcfg.activation_checkpoint)
@@ -76,4 +77,4 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1 and pcfg.engine == "torch":
         from distlm.parallel.ddp import apply_ddp
         model = apply_ddp(model, dims, pcfg)  # Horovod reduces itself
-    return model, parts
+    return model, (PipelineStep(model, parts) if parts is not None else PlainStep(model))

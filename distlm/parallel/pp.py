@@ -244,43 +244,6 @@ def run_pipeline(parts: PipelineParts, x: torch.Tensor, y: torch.Tensor, train: 
     return torch.stack([l.detach().float() for l in losses]).mean()
 
 
-def train_pass(parts: PipelineParts, micro: list, compute, device: torch.device) -> torch.Tensor:
-    """One training step's local batch through the schedule (it splits the microbatches),
-    the tied gradients summed; the last stage's mean loss comes back on every rank.
-    ``compute()`` is the context forward and backward run under (autocast, loss_parallel)."""
-    x = torch.cat([m[0] for m in micro])
-    y = torch.cat([m[1] for m in micro])
-    with compute():
-        loss = run_pipeline(parts, x, y, train=True)
-    sync_tied_grads(parts)
-    return loss_to_all(loss, parts, device)
-
-
-def eval_pass(parts: PipelineParts, batches: list, per_step: int, compute, device: torch.device
-              ) -> tuple[torch.Tensor, int]:
-    """Validation micro-batches, a training step's worth (``per_step``) at a time, since the
-    schedule's microbatch count must divide what it is given; a remainder is left out.
-    Returns (sum of micro-batch mean losses, micro-batches used), on every rank."""
-    total, n = torch.zeros((), device=device), 0
-    for i in range(0, len(batches) - per_step + 1, per_step):
-        group = batches[i:i + per_step]
-        x = torch.cat([b[0] for b in group]).to(device)
-        y = torch.cat([b[1] for b in group]).to(device)
-        with compute():
-            loss = run_pipeline(parts, x, y, train=False)
-        total += loss_to_all(loss, parts, device) * len(group)
-        n += len(group)
-    return total, n
-
-
-def loss_to_all(loss: Optional[torch.Tensor], parts: PipelineParts, device: torch.device) -> torch.Tensor:
-    """The last stage's loss, on every rank of the pipeline group."""
-    from distlm.parallel.tp import full
-    t = full(loss).clone() if loss is not None else torch.zeros((), device=device)
-    dist.all_reduce(t, group=parts.group)
-    return t
-
-
 @torch.no_grad()
 def sync_tied_grads(parts: PipelineParts) -> None:
     """Sum the tied embedding/head gradient over the pipeline group (see module doc)."""

@@ -10,6 +10,13 @@ same work on every rank: the reduce after each row-parallel layer becomes a
 reduce-scatter over the sequence, and the all-gather moves to the block's inputs.
 The head is split over the vocabulary; with ``loss_parallel`` the cross-entropy is
 computed on those shards, so no rank ever holds the full (B, T, V) logits.
+
+The modern-block options: QK-norm (parameter-free, per head) and ReLU^2 need nothing, the
+soft-capped head is element-wise on its vocabulary shard, and attention masks (documents,
+windows) are per (batch, query, key), shared by every head, so each rank applies the same
+mask to its own heads. Value-embedding tables are split by columns like wv, so each rank
+looks up the slice of values its heads use; the scalar weights of value embeddings and
+U-net skips are replicated, and their inputs declared sharded (see the plan).
 """
 from __future__ import annotations
 
@@ -49,6 +56,10 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
             top["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
+    for name in (getattr(model, "value_embeds", None) or {}):
+        # Column-split (embedding dim) as wv's output is: this rank's slice is the values
+        # of its own heads. Indices arrive whole on every rank.
+        top[f"value_embeds.{name}"] = ColwiseParallel()
     if model.head is not None:
         top["head"] = ColwiseParallel(
             input_layouts=resid,
@@ -65,9 +76,10 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
 
     for block in model.blocks.values():
         plan = {
-            # Block passes (x, rope, cache, start_pos, attn_mask, causal): only x is laid out.
-            "attn": PrepareModuleInput(input_layouts=(resid,) + (None,) * 5,
-                                       desired_input_layouts=(Replicate(),) + (None,) * 5, use_local_output=True),
+            # Block passes (x, rope, cache, start_pos, attn_mask, causal, ve): only x is laid
+            # out; the mask is per (batch, query, key) and serves every local head as is.
+            "attn": PrepareModuleInput(input_layouts=(resid,) + (None,) * 6,
+                                       desired_input_layouts=(Replicate(),) + (None,) * 6, use_local_output=True),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=resid),
             "mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),),
@@ -79,6 +91,16 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         if sp:
             plan["attn_norm"] = SequenceParallel(use_local_output=True)
             plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+        # A scalar weight times a sharded input: the weight is replicated, and its gradient
+        # (a sum over the input) is a partial sum on each rank, which DTensor reduces only if
+        # the input is declared sharded. SequenceParallel is exactly "replicated parameters,
+        # input sharded along a dim": the value embedding is split over its last dim (the
+        # heads), the skip (the residual stream) over the sequence under SP. Without SP the
+        # stream is whole on every rank and replicate_rest below is right for the skip.
+        if block.attn.ve_weight is not None:
+            plan["attn.ve_weight"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if block.skip_weight is not None and sp:
+            plan["skip_weight"] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
         # Each rank holds the columns of its heads in wq, wk and wv separately; the fused
         # one-matmul path would concatenate shards of three tensors into no valid layout.

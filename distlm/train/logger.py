@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 from pathlib import Path
-from typing import Optional
+
+from distlm.io import trim_csv
 
 COLUMNS = ["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb",
            "val_loss", "val_ppl", "elapsed_s"]
@@ -21,6 +21,7 @@ class RunLogger:
         self.csv_path = Path(run_dir) / "metrics.csv"
         self.tb = None
         self.wandb = None
+        self.elapsed_offset = 0.0
         if not enabled:
             return
         self._truncate(resume_step)
@@ -42,22 +43,18 @@ class RunLogger:
                                         config=cfg.to_dict(), dir=str(run_dir), resume="allow")
 
     def _truncate(self, step: int) -> None:
-        if not self.csv_path.exists():
-            return
-        with open(self.csv_path, newline="") as f:
-            rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        tmp = self.csv_path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, self.csv_path)
+        rows = trim_csv(self.csv_path, COLUMNS, keep=lambda r: int(r["step"]) <= step)
+        # Elapsed time counts across resumes: a resumed run continues from where its rows end.
+        times = [float(r["elapsed_s"]) for r in rows if r.get("elapsed_s")]
+        self.elapsed_offset = max(times, default=0.0)
 
     def log(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
         row = {k: ("" if values.get(k) is None else values.get(k)) for k in COLUMNS}
         row["step"] = step
+        if values.get("elapsed_s") is not None:
+            row["elapsed_s"] = values["elapsed_s"] + self.elapsed_offset
         self._csv.writerow(row)
         self._file.flush()
         clean = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}

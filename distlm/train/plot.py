@@ -1,9 +1,15 @@
 """Loss curves drawn from metrics.csv (``distlm plot RUN...``)."""
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
+
+from distlm.data import DataError
+from distlm.io import read_csv
+
+# Below this many points a curve also gets markers: a short run logs a handful of rows,
+# and one point alone draws no line at all.
+FEW_POINTS = 30
 
 
 def save_figure(fig, out: Path, **kw) -> Path:
@@ -20,24 +26,24 @@ def save_figure(fig, out: Path, **kw) -> Path:
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.csv"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics.csv (is {run_dir} a distlm run directory?)")
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+        what = "no such folder" if not Path(run_dir).exists() else "no metrics.csv in it (is it a distlm run folder?)"
+        raise DataError(f"{run_dir}: {what}")
+    return read_csv(path)
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    # Every run is read before anything is drawn: a missing one fails with nothing written.
+    runs = [(Path(run).name, read_metrics(run)) for run in run_dirs]
     import matplotlib
     matplotlib.use("Agg")  # no display on clusters and CI
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for run in run_dirs:
-        rows = read_metrics(run)
-        train = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
-        val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
-        name = Path(run).name
+    for name, rows in runs:
+        train = [(int(r["step"]), float(r["loss"])) for r in rows if r.get("loss")]
+        val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
         if train:
-            ax.plot(*zip(*train), label=f"{name} train", lw=1.2)
+            ax.plot(*zip(*train), label=f"{name} train", lw=1.2, marker="." if len(train) < FEW_POINTS else None)
         if val:
             ax.plot(*zip(*val), "o--", label=f"{name} val", ms=4)
     ax.set_xlabel("step")

@@ -64,6 +64,12 @@ class ClassifyLoader:
         self.step += 1
         return batch
 
+    def epoch_events(self, step: int) -> list[str]:
+        """A message when the global batch of ``step`` starts another pass over the examples."""
+        from distlm.data.loader import epoch_messages
+        return epoch_messages("the training set", step * self.global_batch, (step + 1) * self.global_batch,
+                              self.n, step)
+
     def state_dict(self) -> dict:
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "n_blocks": self.n}
 

@@ -1,4 +1,4 @@
-"""The Trainer's hook for task.name=classify: data dimensions, model, loader, loss, evaluation.
+"""The ``Task`` for task.name=classify: data dimensions, model, loader, loss, evaluation.
 
 The Trainer asks its task for each of these and otherwise runs its one loop: the same
 train_step (accumulation, no_sync, clipping, NaN handling), checkpoints, resume, signals
@@ -8,7 +8,7 @@ and prints the matrix.
 """
 from __future__ import annotations
 
-import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,31 +17,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlm.config import Config, ConfigError
+from distlm.config import Config, ConfigError, updated
+from distlm.data import fit_vocab
+from distlm.io import atomic_write_text, read_csv, write_csv
 from distlm.tasks.classify import data as cdata
 from distlm.tasks.classify.loader import ClassifyLoader, eval_batches
 from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
 from distlm.tasks.classify.model import Classifier, classify_loss
+from distlm.tasks.base import Resolved
 from distlm.train import checkpoint as ckpt
 
 METRIC_COLUMNS = ["step", "val_loss", "accuracy", "macro_f1", "examples"]
-
-
-def classifier_for(cfg: Config) -> Classifier:
-    """The model build_model makes (on the meta device); the label count comes from the data."""
-    labels = cdata.load_manifest(Path(cfg.data.dir))["labels"]
-    return Classifier(cfg.model, len(labels), cfg.task.pooling, cfg.task.attention)
 
 
 def load_trunk(model, init_from: str) -> None:
     """An LM run's weights, by name, into the classifier's trunk (everything but its head).
     Collective (DCP); called on the allocated, possibly sharded, not yet DDP-wrapped model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    from distlm.train.safe_dcp import safe_load
     folder = ckpt.resolve_checkpoint(init_from)
     sd = {k: v for k, v in get_state_dict(model, [])[0].items() if not k.startswith("cls_head.")}
-    ckpt._check_shapes(folder, "model", sd)
-    safe_load({"model": sd}, folder)
+    ckpt.load_model_state(folder, sd)
     set_state_dict(model, [], model_state_dict=sd, optim_state_dict={}, options=StateDictOptions(strict=False))
 
 
@@ -50,36 +45,36 @@ def default_data_dir(cfg: Config) -> Path:
 
 
 class ClassifyTask:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.loss_fn = classify_loss
+    name = "classify"
+
+    def __init__(self):
         self.last: dict | None = None  # the latest evaluation
 
-    # ---- what the Trainer asks for ------------------------------------------------
-    def data_dims(self, cfg: Config, comm, is_main: bool) -> tuple[dict, Path]:
+    # ---- configuration --------------------------------------------------------------
+    def resolve(self, cfg: Config, comm, is_main: bool) -> Resolved:
         """Read (or, for the default data set, prepare) the data; fill vocab_size and
         take the architecture from task.init_from's LM run."""
         if cfg.task.init_from:
-            self._take_lm_architecture(cfg)
+            cfg = dataclasses.replace(cfg, model=self._lm_architecture(cfg))
         if not cfg.data.dir:
-            cfg.data.dir = str(default_data_dir(cfg))
+            cfg = updated(cfg, data={"dir": str(default_data_dir(cfg))})
             if is_main:
                 print(f"data.dir not set: the vendored 4-topic 20 Newsgroups set, prepared into {cfg.data.dir}")
                 cdata.prepare_classify([str(cdata.DEFAULT_DATA)], Path(cfg.data.dir), max_len=cfg.model.block_size)
             comm.barrier()
         data_dir = Path(cfg.data.dir)
         self.manifest = manifest = cdata.load_manifest(data_dir)
-        from distlm.train.setup import fit_vocab
-        fit_vocab(cfg, manifest, data_dir)
+        cfg = updated(cfg, model={"vocab_size": fit_vocab(cfg.model.vocab_size, manifest, data_dir)})
         if manifest["max_len"] > cfg.model.block_size:
             raise ConfigError(f"{data_dir} was prepared with --max-len {manifest['max_len']}, longer than "
                               f"model.block_size={cfg.model.block_size}; raise model.block_size or prepare again")
         self.labels = manifest["labels"]
         self.train_data = cdata.load_split(data_dir, manifest, "train")
         self.val_data = cdata.load_split(data_dir, manifest, "val") if manifest["splits"]["val"]["rows"] else None
-        return manifest, data_dir
+        return Resolved(cfg, manifest, data_dir)
 
-    def _take_lm_architecture(self, cfg: Config) -> None:
+    def _lm_architecture(self, cfg: Config):
+        """The trunk's shape is the LM checkpoint's, whatever the preset said."""
         from distlm.config import config_from_dict
         folder = ckpt.resolve_checkpoint(cfg.task.init_from)
         lm = config_from_dict(ckpt.read_meta(folder)["config"])
@@ -89,16 +84,29 @@ class ClassifyTask:
         if meta.is_file() and json.loads(meta.read_text())["name"] != "gpt2":
             raise ConfigError(f"task.init_from={cfg.task.init_from}: trained with tokenizer "
                               f"{json.loads(meta.read_text())['name']}; classification data uses gpt2")
-        cfg.model = lm.model  # the trunk's shape is the checkpoint's, whatever the preset said
+        return lm.model
 
-    def build_loader(self, trainer) -> ClassifyLoader:
-        t, dims = self.cfg.train, trainer.dims
+    # ---- model, data, loss ----------------------------------------------------------
+    def build_model(self, cfg: Config) -> Classifier:
+        return Classifier(cfg.model, len(self.labels), cfg.task.pooling, cfg.task.attention)
+
+    def after_init(self, model, cfg: Config) -> None:
+        if cfg.task.init_from:  # an LM's trunk; a resume then loads the run's own weights over it
+            load_trunk(model, cfg.task.init_from)
+
+    def build_loader(self, cfg: Config, dims, device: torch.device) -> ClassifyLoader:
+        t = cfg.train
         return ClassifyLoader(self.train_data, seed=t.seed, global_batch=t.global_batch_size,
                               micro_batch=t.micro_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
-                              pin_memory=trainer.device.type == "cuda")
+                              pin_memory=device.type == "cuda")
+
+    def loss_fn(self, cfg: Config, dims):
+        return lambda model, x, y: classify_loss(model(x), y)
+
+    def pipeline_loss(self, cfg: Config):
+        raise ConfigError("task.name=classify does not run under pipeline parallelism")
 
     def write_run_files(self, run_dir: Path) -> None:
-        from distlm.train.checkpoint import atomic_write_text
         m = self.manifest
         atomic_write_text(run_dir / "labels.json", json.dumps(
             {"labels": self.labels, "label_field": m["label_field"], "pad_id": m["pad_id"], "max_len": m["max_len"],
@@ -108,6 +116,12 @@ class ClassifyTask:
         loader = trainer.loader
         return {"task": "classify", "train_examples": loader.n, "steps_per_epoch": loader.steps_per_epoch,
                 "epoch_s": step_s * loader.steps_per_epoch, "examples_per_s": loader.global_batch / step_s}
+
+    def eval_metrics(self) -> dict:
+        return {k: self.last[k] for k in ("accuracy", "macro_f1")} if self.last else {}
+
+    def describe_eval(self) -> str:
+        return f"{self.last['examples']:,} val examples" if self.last else "no val examples"
 
     # ---- evaluation ---------------------------------------------------------------
     @torch.no_grad()
@@ -122,7 +136,7 @@ class ClassifyTask:
         for batch, y, w in eval_batches(self.val_data, 4 * self.cfg.train.micro_batch_size, dims.dp_rank,
                                         dims.dp_size):
             batch, y, w = batch.to(device), y.to(device), w.to(device)
-            with trainer._autocast():
+            with trainer.compute():
                 logits = trainer.model(batch)
             loss_sum += (F.cross_entropy(logits.float(), y, reduction="none") * w).sum().double()
             conf.index_add_(0, y * C + logits.argmax(-1), w.double())
@@ -141,7 +155,6 @@ class ClassifyTask:
 
     def _report(self, run_dir: Path, confusion: np.ndarray) -> None:
         from tqdm import tqdm
-        from distlm.train.checkpoint import atomic_write_text
         r = self.last
         tqdm.write(f"eval step {r['step']}: accuracy {r['accuracy']:.4f}, macro-F1 {r['macro_f1']:.4f} over "
                    f"{r['examples']:,} examples (majority class {r['majority_baseline']:.4f}), loss {r['val_loss']:.4f}\n"
@@ -150,16 +163,7 @@ class ClassifyTask:
         atomic_write_text(run_dir / "eval.json", json.dumps(r, indent=1))
         plot_confusion(confusion, self.labels, run_dir / "confusion.png",
                        f"step {r['step']}: accuracy {r['accuracy']:.3f}, macro-F1 {r['macro_f1']:.3f}")
+        # A resumed run replaces the rows past its step, as metrics.csv does.
         path = run_dir / "classify_metrics.csv"
-        rows = []
-        if path.exists():  # a resumed run replaces the rows past its step, as metrics.csv does
-            with open(path, newline="") as f:
-                rows = [row for row in csv.DictReader(f) if int(row["step"]) < r["step"]]
-        rows.append({k: r[k] for k in METRIC_COLUMNS})
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        tmp.replace(path)
-
+        rows = [row for row in read_csv(path) if int(row["step"]) < r["step"]]
+        write_csv(path, METRIC_COLUMNS, rows + [{k: r[k] for k in METRIC_COLUMNS}])

@@ -1,0 +1,197 @@
+"""The verbs that each fit in a screen: prepare, train, eval, plot, plan, env.
+
+generate and bench, which have modes, live in generate.py and bench.py; predict in
+distlm/tasks/classify/cli.py, export in distlm/interop/hf.py, demo in distlm/demo.py.
+"""
+from __future__ import annotations
+
+import json as jsonlib
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Sequence
+
+from distlm.config import ConfigError, load_config, to_yaml, updated
+
+Device = Literal["auto", "cpu", "cuda"]
+
+
+def prepare(
+    inputs: Annotated[Sequence[str], "files, folders or globs: .txt, .jsonl, .parquet, HF save_to_disk folders, "
+                                     ".gz, .tar, or nanoGPT/llm.c train.bin+val.bin"],
+    /, *,
+    out: Annotated[str, "output folder"],
+    tokenizer: Annotated[str, "gpt2, or bpe:N to train an N-token byte-level BPE on the inputs"] = "gpt2",
+    val_fraction: Annotated[float, "fraction of documents held out"] = 0.05,
+    seed: Annotated[int, "seed of the per-document split"] = 0,
+    workers: Annotated[Optional[int], "tokenizer processes (default: all cores)"] = None,
+    separator: Annotated[Optional[str], "split files into documents on this string"] = None,
+    text_field: Annotated[str, "text column of jsonl/parquet/arrow inputs"] = "text",
+    quiet: Annotated[bool, "no progress bar"] = False,
+    task: Annotated[Literal["lm", "classify"], "classify: labelled rows -> padded token arrays + label map"] = "lm",
+    label_field: Annotated[str, "classify: the label column"] = "label",
+    max_len: Annotated[int, "classify: tokens kept per text (truncate, then pad)"] = 128,
+    val_input: Annotated[Optional[str], "classify: a file with the held-out rows"] = None,
+    split_field: Annotated[str, "classify: a column saying train or val/test, used when the data has it"] = "split",
+) -> int:
+    """Tokenize text into token shards and a manifest.
+
+    INPUTs become uint16/uint32 shards (train_*.bin, val_*.bin) and manifest.json, split per
+    document by a hash and --seed. A re-run with the same inputs and options is a no-op.
+    --task classify reads labelled rows (csv, tsv, jsonl, parquet) instead.
+    """
+    if task == "classify":
+        from distlm.tasks.classify.data import prepare_classify
+        prepare_classify(list(inputs), Path(out), text_field=text_field, label_field=label_field, max_len=max_len,
+                         val_input=val_input, split_field=split_field or None, val_fraction=val_fraction, seed=seed,
+                         tokenizer=tokenizer)
+        return 0
+    from distlm.data.prepare import prepare as prepare_tokens
+    m = prepare_tokens(list(inputs), Path(out), tokenizer=tokenizer, val_fraction=val_fraction, seed=seed,
+                       workers=workers, separator=separator, text_field=text_field, progress=not quiet)
+    splits = m["splits"]
+    print(f"prepared {out}: train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens, "
+          f"tokenizer {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']})")
+    return 0
+
+
+def train(
+    overrides: Sequence[str] = (), /, *,
+    config: Optional[str] = None,
+    print_config: Annotated[bool, "print the resolved config as YAML and exit without training"] = False,
+) -> int:
+    """Train a model (a language model, or a classifier with task=classify).
+
+    Settings come from the defaults, then --config (a YAML file or a preset name), then
+    dotted overrides such as model=gpt2-124m data.dir=DIR train.max_steps=200. Settings
+    are config fields, not flags: train.max_steps=5, train.lr=3e-4, train.seed=1.
+
+    Metrics: tokens/s is global; MFU = tokens/s per device x FLOPs/token / peak, with
+    FLOPs/token = 6N + 12*L*d*T (N non-embedding params incl. the head, L layers, d width,
+    T context) and the peak dense bf16 TFLOP/s looked up by device name (H100 SXM 989,
+    H100 PCIe 756, H200 989, A100 312, ...) or set with log.peak_tflops. Unknown peak -> n/a.
+    """
+    cfg = load_config(config, list(overrides))
+    if print_config:
+        if os.environ.get("RANK", "0") == "0":
+            print(to_yaml(cfg), end="")
+        return 0
+    from distlm.train.trainer import Trainer
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    if trainer.dims.is_main and summary["stopped"]:
+        print(f"stopped: {summary['stopped']}; checkpoint {summary['checkpoint']}; "
+              f"continue with: distlm train ... log.name={trainer.run_dir.name} train.resume=auto")
+    elif trainer.dims.is_main:
+        print(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, checkpoint {summary['checkpoint']}")
+    return 0
+
+
+def evaluate(
+    *,
+    checkpoint: str,
+    data: Annotated[Optional[str], "data folder (default: the one the run trained on)"] = None,
+    split: Literal["val", "train"] = "val",
+    batches: Annotated[int, "language model: micro-batches to average over; 0 = the whole split"] = 50,
+    device: Device = "auto",
+    json: Annotated[bool, "print one JSON object"] = False,
+) -> int:
+    """Loss and perplexity of a checkpoint (a classifier's: accuracy, macro-F1, confusion).
+
+    The blocks are spread evenly over the split; the line says how many and how many tokens.
+    """
+    from distlm.model.load import checkpoint_task
+    if checkpoint_task(checkpoint) == "classify":
+        from distlm.tasks.classify.cli import evaluate_classifier
+        return evaluate_classifier(checkpoint, data=data, split=split, device=device, as_json=json)
+    import torch
+    from tqdm import tqdm
+
+    from distlm.data import load_manifest
+    from distlm.data.loader import TokenBlocks, val_micro_batches
+    from distlm.model.load import load_trained
+    from distlm.model.loss import lm_loss
+    from distlm.train.setup import resolve_device
+    dev = resolve_device(device)
+    loaded = load_trained(checkpoint, dev, task="lm")
+    cfg = loaded.cfg
+    data_dir = Path(data or cfg.data.dir or "")
+    manifest = load_manifest(data_dir)
+    if int(manifest["tokenizer"]["vocab_size"]) > cfg.model.vocab_size:
+        raise ConfigError(f"{data_dir}: vocabulary {manifest['tokenizer']['vocab_size']} does not fit the model's "
+                          f"{cfg.model.vocab_size} (data and checkpoint use different tokenizers)")
+    blocks = TokenBlocks(data_dir, split, cfg.model.block_size, manifest)
+    val = val_micro_batches(blocks, batches, cfg.train.micro_batch_size)
+    total = rows = 0.0
+    with torch.no_grad():
+        # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
+        for x, y, weight in tqdm(val.weighted(), total=len(val), desc="eval", unit="batch", leave=False,
+                                 disable=None):
+            total += float(lm_loss(loaded.model(x.to(dev)), y.to(dev))) * weight
+            rows += weight
+    if not rows:
+        from distlm.data import DataError
+        raise DataError(f"{data_dir}: the '{split}' split holds no block of {cfg.model.block_size} tokens")
+    loss = total / rows
+    result = {"checkpoint": str(loaded.folder), "data": str(data_dir), "split": split, "loss": loss,
+              "perplexity": math.exp(loss), "tokens": val.n_tokens, "blocks": val.n_blocks}
+    print(jsonlib.dumps(result) if json else
+          f"{loaded.folder}: {split} loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {val.describe()}")
+    return 0
+
+
+def plot(
+    runs: Annotated[Sequence[str], "run folders, each with its metrics.csv"], /, *,
+    out: Annotated[str, "the PNG to write"] = "loss.png",
+) -> int:
+    """Draw the loss curves of runs into one PNG."""
+    from distlm.train.plot import plot_runs
+    print(f"wrote {plot_runs([Path(r) for r in runs], Path(out))}")
+    return 0
+
+
+def plan(
+    overrides: Sequence[str] = (), /, *,
+    gpus: Annotated[int, "how many GPUs"],
+    config: Optional[str] = None,
+    gpu_mem_gb: Annotated[float, "GiB per GPU (an 80 GB H100 has 79.6)"] = 80.0,
+    seq: Annotated[Optional[int], "sequence length (default: model.block_size)"] = None,
+    global_batch: Annotated[Optional[int], "sequences per step (default: the config's)"] = None,
+    micro_batch: Annotated[Optional[int], "sequences per forward (default: the config's)"] = None,
+    dtype: Annotated[Literal["bf16", "fp32"], "activation dtype (fp32 on CPU)"] = "bf16",
+    peak_tflops: Annotated[float, "for the time estimate (H100/H200 dense bf16)"] = 989.0,
+    link_gbs: Annotated[float, "GB/s per GPU of the interconnect, for the time estimate"] = 150.0,
+) -> int:
+    """Memory and communication per GPU for every layout of N GPUs, ranked.
+
+    For each (dp_replicate, dp_shard, tp, pp) layout, with and without activation
+    checkpointing: parameters, gradients, AdamW state, FSDP buffers and activations per
+    GPU, and bytes communicated per step; then a recommendation. Exit 1 when nothing fits.
+    """
+    from distlm.planner import explain, format_table, plan as plan_layouts, skipped_layouts
+    cfg = load_config(config, [*overrides, *([f"model.block_size={seq}"] if seq else [])])
+    if cfg.model.vocab_size is None:
+        cfg = updated(cfg, model={"vocab_size": 50257})  # GPT-2 BPE, what a preset trains on unless told otherwise
+    gb = global_batch or cfg.train.global_batch_size
+    mb = micro_batch or cfg.train.micro_batch_size
+    ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, peak_tflops=peak_tflops, link_gbs=link_gbs,
+                        compute_bytes=2 if dtype == "bf16" else 4)
+    if not ests:
+        raise ConfigError(f"no layout of {gpus} GPUs divides global batch {gb} into micro-batches of {mb}")
+    print(f"{config or 'config'}: {cfg.model.n_layer} layers x {cfg.model.d_model}, T={cfg.model.block_size}, "
+          f"global batch {gb}, micro-batch {mb}, {gpus} GPUs x {gpu_mem_gb:g} GiB")
+    print(format_table(ests))
+    for note in skipped_layouts(gpus, cfg.model):
+        print(note)
+    fits = [e for e in ests if e.fits]
+    if not fits:
+        print(f"no layout fits in {gpu_mem_gb:g} GiB: lower train.micro_batch_size, or add GPUs")
+        return 1
+    print(explain(fits[0], ests, gpu_mem_gb))
+    return 0
+
+
+def env(*, json: Annotated[bool, "print JSON (every rank's report under torchrun)"] = False) -> int:
+    """Versions, GPUs, backend and world size; under torchrun also one all-reduce per rank."""
+    from distlm.launch.env import print_env
+    return print_env(as_json=json)

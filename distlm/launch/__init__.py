@@ -1,0 +1,1 @@
+"""Getting processes started: SLURM glue (slurm.py) and the `distlm env` report (env.py)."""

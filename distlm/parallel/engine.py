@@ -1,0 +1,91 @@
+"""Data-parallel engines: who forms the process group, reduces gradients and writes checkpoints.
+
+``torch``: torch.distributed under torchrun. DDP and FSDP2 reduce gradients inside the
+backward, so the optimizer steps as is, and every rank writes its part of a checkpoint.
+
+``horovod``: Horovod under horovodrun. Its DistributedOptimizer starts the allreduce in
+the backward and must be finished (``synchronize``) before clipping; then the step must
+not synchronise again. Replicas are identical, so rank 0 writes the whole checkpoint.
+
+The Trainer calls the same methods on either; the differences live here.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+from distlm.config import ParallelConfig
+
+T = TypeVar("T")
+
+
+class TorchEngine:
+    name = "torch"
+
+    def init(self, pcfg: ParallelConfig, device_type: str):
+        from distlm.parallel.dims import init_distributed
+        return init_distributed(pcfg, device_type)
+
+    def comm(self, dims):
+        from distlm.parallel.comm import TorchComm
+        return TorchComm(dims)
+
+    def wrap_optimizer(self, optimizer, model, accum_steps: int, pcfg: ParallelConfig):
+        return optimizer
+
+    def finish_grad_reduction(self, optimizer) -> None:
+        """DDP and FSDP2 have reduced the gradients by the end of the backward."""
+
+    def optimizer_step(self, optimizer) -> None:
+        optimizer.step()
+
+    def save(self, dims, comm, write: Callable[[bool], T], skipped: Callable[[], T]) -> T:
+        """Every rank writes its own shards; ``write(async_allowed)``."""
+        return write(True)
+
+
+class HorovodEngine:
+    name = "horovod"
+
+    def init(self, pcfg: ParallelConfig, device_type: str):
+        from distlm.parallel.horovod import init_horovod
+        return init_horovod(pcfg, device_type)
+
+    def comm(self, dims):
+        from distlm.parallel.horovod import HorovodComm
+        return HorovodComm()
+
+    def wrap_optimizer(self, optimizer, model, accum_steps: int, pcfg: ParallelConfig):
+        # After the resume: rank 0's loaded state is broadcast to the others.
+        from distlm.parallel.horovod import wrap_optimizer
+        return wrap_optimizer(optimizer, model, accum_steps, pcfg.fp16_compression)
+
+    def finish_grad_reduction(self, optimizer) -> None:
+        optimizer.synchronize()  # clipping must see the averaged gradients
+
+    def optimizer_step(self, optimizer) -> None:
+        with optimizer.skip_synchronize():
+            optimizer.step()
+
+    def save(self, dims, comm, write: Callable[[bool], T], skipped: Callable[[], T]) -> T:
+        """Rank 0 writes the state alone, synchronously (a background save would race the
+        barrier the other ranks wait on); the others wait for it."""
+        try:
+            return write(False) if dims.is_main else skipped()
+        finally:
+            comm.barrier()
+
+
+ENGINES = {"torch": TorchEngine, "horovod": HorovodEngine}
+
+
+def make_engine(name: str):
+    return ENGINES[name]()
+
+
+def seed_for_rank(seed: int, dims) -> None:
+    """Dropout differs per data-parallel rank and pipeline stage, by design, but not across
+    a TP group: its ranks hold the same replicated activations (tp is the mesh's innermost
+    axis, so rank // tp numbers the other coordinates)."""
+    torch.manual_seed(seed + dims.rank // dims.tp)

@@ -1,0 +1,162 @@
+"""Next-token prediction: the task the Trainer runs unless told otherwise."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from distlm.config import Config, ConfigError, check_model_split, updated
+from distlm.data import DataError, fit_vocab, load_manifest
+from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
+from distlm.io import atomic_write_dir
+from distlm.model.gpt import GPT
+from distlm.model.loss import lm_loss
+from distlm.tasks.base import Resolved
+
+SYNTHETIC_VOCAB = 50257  # GPT-2's, so a synthetic benchmark costs what real GPT-2 data would
+
+
+class LMTask:
+    name = "lm"
+
+    def __init__(self):
+        self.val_split: dict = {}     # name ("" for one folder, else each source's) -> val TokenBlocks
+        self.val_sets: dict | None = None
+        self.source_losses: dict = {}
+        self.overall = None            # a mixture's weighting of its sources' losses
+        self.manifest: dict = {}
+        self.data_dir = None
+
+    # ---- configuration --------------------------------------------------------------
+    def resolve(self, cfg: Config, comm, is_main: bool) -> Resolved:
+        if cfg.init.from_hf:  # the architecture comes from the Hugging Face folder
+            from distlm.interop import apply_hf_model_config
+            cfg = dataclasses.replace(cfg, model=apply_hf_model_config(cfg.model, cfg.init.from_hf,
+                                                                       block_size=cfg.model.block_size))
+        if cfg.data.source == "synthetic":
+            cfg = updated(cfg, model={"vocab_size": cfg.model.vocab_size or SYNTHETIC_VOCAB})
+            check_model_split(cfg.model, cfg.parallel)
+            return Resolved(cfg, {}, None)
+        if cfg.data.mix:
+            # The sources share one tokenizer (checked): the first one's supplies it.
+            from distlm.data.mixture import check_tokenizers, parse_mix
+            entries = parse_mix(cfg.data.mix)
+            manifests = [load_manifest(e.path) for e in entries]
+            check_tokenizers([e.path for e in entries], manifests)
+            data_dir, manifest = Path(entries[0].path), manifests[0]
+        elif not cfg.data.dir:
+            raise ConfigError("data.dir is not set: run `distlm prepare INPUT --out DIR` and pass data.dir=DIR "
+                              "(or data.mix=... for a weighted mixture of prepared folders)")
+        else:
+            data_dir = Path(cfg.data.dir)
+            manifest = load_manifest(data_dir)
+        vocab = fit_vocab(cfg.model.vocab_size, manifest, data_dir)
+        self._check_tokenizer(manifest, data_dir)
+        if cfg.init.from_hf and int(manifest["tokenizer"]["vocab_size"]) != cfg.model.vocab_size:
+            raise ConfigError(f"init.from_hf={cfg.init.from_hf} has a {cfg.model.vocab_size}-token vocabulary but "
+                              f"{cfg.data.dir} was prepared with {manifest['tokenizer']['name']} "
+                              f"({manifest['tokenizer']['vocab_size']} tokens); prepare it with that tokenizer")
+        cfg = updated(cfg, model={"vocab_size": vocab})
+        check_model_split(cfg.model, cfg.parallel)  # the vocabulary is known only now
+        self.manifest, self.data_dir = manifest, data_dir
+        return Resolved(cfg, manifest, data_dir)
+
+    def _check_tokenizer(self, manifest: dict, data_dir: Path) -> None:
+        """The manifest's vocabulary must be the tokenizer's: a larger one trains rows no
+        token ever reaches and generation then decodes ids the tokenizer does not have."""
+        from distlm.data.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(manifest["tokenizer"]["name"], data_dir)
+        if self.tokenizer.vocab_size != int(manifest["tokenizer"]["vocab_size"]):
+            raise DataError(f"{data_dir}/manifest.json: tokenizer.vocab_size={manifest['tokenizer']['vocab_size']} "
+                            f"but tokenizer {manifest['tokenizer']['name']} has {self.tokenizer.vocab_size} tokens")
+
+    # ---- model, data, loss ----------------------------------------------------------
+    def build_model(self, cfg: Config) -> nn.Module:
+        return GPT(cfg.model)
+
+    def after_init(self, model: nn.Module, cfg: Config) -> None:
+        if cfg.init.from_hf and cfg.train.resume == "never":  # a resume brings its own weights
+            from distlm.interop import load_hf_into
+            load_hf_into(model, cfg.init.from_hf)
+
+    def build_loader(self, cfg: Config, dims, device: torch.device):
+        t, m = cfg.train, cfg.model
+        batch = dict(seed=t.seed, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+                     dp_rank=dims.dp_rank, dp_size=dims.dp_size, pin_memory=device.type == "cuda")
+        if cfg.data.mix:
+            from distlm.data.mixture import MixtureLoader, load_sources
+            sources = load_sources(cfg.data.mix, m.block_size, verify_checksums=cfg.data.verify_checksums and dims.is_main)
+            loader = MixtureLoader(sources, **batch)
+            self.val_split = {s.name: s.val for s in sources if s.val is not None}
+            self.overall = loader.overall
+            if dims.is_main:
+                print(loader.describe())
+            return loader
+        blocks = None
+        if self.data_dir is not None:
+            if cfg.data.verify_checksums and dims.is_main:
+                from distlm.data import verify_shards
+                verify_shards(self.data_dir, self.manifest)
+            blocks = TokenBlocks(self.data_dir, "train", m.block_size, self.manifest)
+            # A data set prepared with --val-fraction 0 has no val split: train without evaluation.
+            if int(self.manifest["splits"].get("val", {}).get("tokens", 0)) > 0:
+                self.val_split = {"": TokenBlocks(self.data_dir, "val", m.block_size, self.manifest)}
+        return BatchLoader(blocks, synthetic_vocab=m.vocab_size, block_size=m.block_size, **batch)
+
+    def loss_fn(self, cfg: Config, dims):
+        # Without TP the model computes its own loss (GPT.head_loss): the head and the
+        # cross-entropy compile with the forward and can run chunked (model.loss_chunk).
+        # Under TP the logits are vocabulary-sharded DTensors for loss_parallel.
+        if dims.tp == 1:
+            return lambda model, x, y: model(x, targets=y)
+        return lambda model, x, y: lm_loss(model(x), y)
+
+    def pipeline_loss(self, cfg: Config):
+        # Compiled, the fp32 cast, log-softmax and gather fuse into one pass; under TP the
+        # logits are DTensors for loss_parallel, which runs eager.
+        return torch.compile(lm_loss) if cfg.train.compile and cfg.parallel.tp == 1 else lm_loss
+
+    # ---- evaluation -----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, trainer) -> float:
+        """The mean loss over a fixed validation set spread across the whole val split (the
+        same blocks whatever the world size or step; train.eval_batches micro-batches over all
+        ranks, 0 = the whole split); per source and weighted overall for a mixture."""
+        if not self.val_split:
+            return float("nan")
+        if self.val_sets is None:
+            t, dims = trainer.cfg.train, trainer.dims
+            self.val_sets = {name: val_micro_batches(blocks, t.eval_batches, t.micro_batch_size, dims.dp_rank,
+                                                     dims.dp_size, name=name)
+                             for name, blocks in self.val_split.items()}
+        losses = {}
+        for name, vs in self.val_sets.items():
+            total, rows = trainer.stepper.eval_losses(vs.weighted(), trainer.compute)
+            # Sums over counts, not a mean of per-rank means: exact for any world size.
+            both = trainer.comm.mean(torch.stack([total, rows]))
+            losses[name] = float(both[0] / both[1])
+        self.source_losses = {name: v for name, v in losses.items() if name}
+        return losses[""] if "" in losses else self.overall(losses)
+
+    def eval_metrics(self) -> dict:
+        return {f"val_loss_{name}": v for name, v in self.source_losses.items()}
+
+    def describe_eval(self) -> str:
+        return "; ".join(vs.describe() for vs in (self.val_sets or {}).values())
+
+    # ---- run folder -----------------------------------------------------------------
+    def write_run_files(self, run_dir: Path) -> None:
+        if self.data_dir is None:
+            return
+
+        def fill(tmp: Path) -> None:  # generation must not depend on the data folder staying put
+            self.tokenizer.save(tmp)
+            (tmp / "tokenizer.meta.json").write_text(json.dumps(self.manifest["tokenizer"], indent=1))
+
+        atomic_write_dir(run_dir / "tokenizer", fill)
+
+    def bench_fields(self, trainer, step_s: float) -> dict:
+        return {}
