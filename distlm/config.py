@@ -103,6 +103,13 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: str = choice("adamw", "adamw", "muon",
+                            help="muon: Muon (orthogonalised momentum) for the blocks' weight matrices, "
+                                 "AdamW for embeddings, head, norms and biases (distlm/train/muon.py)")
+    muon_lr: float = doc(0.02, "Muon's peak learning rate; the train.lr schedule scales it by muon_lr/lr")
+    muon_momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
+    muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (bf16)")
+    muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
     grad_clip: float = doc(1.0, "max global grad norm; 0 disables")
     eval_every: int = doc(100, "steps between validation passes; 0 = only at the end")
     eval_batches: int = doc(20, "micro-batches per validation pass, over all ranks, spread across the whole "

@@ -411,3 +411,47 @@ def test_full_disk_keeps_the_previous_checkpoint(small_fs):
     with pytest.raises(CheckpointSaveError):  # async: the error comes at finish()
         ckpt.save_checkpoint(root, 4, model, opt, marker_meta(4), async_save=True).finish()
     assert list(root.iterdir()) == [first]
+
+
+# ---- the Trainer's train.on_save_error, with DCP's own failures ---------------------------
+def test_trainer_on_a_full_tmpfs_follows_on_save_error(small_fs, capsys):
+    """The issue's case: a filesystem too small for even the first checkpoint. DCP fails with
+    its wrapped inline_container error; `continue` trains to the end and says why each save
+    failed, `stop` stops with one line naming the cause."""
+    from distlm.train.trainer import TrainingStopped
+    from test_faults import make_trainer
+    root = small_fs("128k")
+    t = make_trainer(root, "cont", "train.max_steps=4", "train.checkpoint_every=2", "train.on_save_error=continue")
+    assert t.train()["step"] == 4
+    out = capsys.readouterr().out
+    assert "warning: cannot write checkpoint step_0000002" in out and "training goes on" in out
+    assert "disk full" in out or "No space left on device" in out
+    assert ckpt.list_checkpoints(root / "cont" / "checkpoints") == ([], [])  # no partial folder
+    t = make_trainer(root, "stop", "train.max_steps=4", "train.checkpoint_every=2", "train.on_save_error=stop")
+    with pytest.raises(TrainingStopped) as e:
+        t.train()
+    msg = one_line(e.value)
+    assert "cannot write checkpoint step_0000002" in msg and "no earlier checkpoint" in msg
+    assert "disk full" in msg or "No space left on device" in msg
+
+
+def test_trainer_stops_on_an_injected_dcp_failure_keeping_the_previous_checkpoint(tmp_path, monkeypatch):
+    from distlm.train.trainer import TrainingStopped
+    from test_faults import make_trainer
+    real, calls = ckpt.dcp.save, []
+
+    def save(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise checkpoint_exception(RuntimeError(INLINE_CONTAINER))
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt.dcp, "save", save)
+    t = make_trainer(tmp_path, "inj", "train.max_steps=6", "train.checkpoint_every=2", "train.on_save_error=stop")
+    with pytest.raises(TrainingStopped) as e:
+        t.train()
+    prev = tmp_path / "inj" / "checkpoints" / "step_0000002"
+    msg = one_line(e.value)
+    assert "cannot write checkpoint step_0000004" in msg and "disk full" in msg and f"{prev} is intact" in msg
+    assert ckpt.list_checkpoints(tmp_path / "inj" / "checkpoints") == ([prev], [])
+    ckpt._VERIFIED.clear()
+    ckpt.verify_checkpoint(prev)

@@ -22,7 +22,7 @@ import torch
 from distlm.cli import main
 from distlm.config import ConfigError, load_config
 from distlm.tasks.classify.data import label_order, load_manifest, load_split, prepare_classify
-from distlm.tasks.classify.model import Classifier, TextBatch
+from distlm.model.classifier import Classifier, TextBatch
 from distlm.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

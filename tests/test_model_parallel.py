@@ -3,8 +3,9 @@
 Same method as test_distributed.py: each layout trains on the same global batches as the
 single-process reference, so per-step losses and grad norms must agree to fp32 rounding.
 Launches (each runs several Trainer jobs, tests/dist_worker.py):
-  - 2 ranks: TP2 plain and TP2 + SP + loss_parallel, on two model variants; PP2 under every
-    schedule (naive, gpipe, 1f1b, interleaved-1f1b, zero-bubble);
+  - 2 ranks: TP2 plain and TP2 + SP + loss_parallel, on several model variants (the modern
+    block's options among them); PP2 under every schedule (naive, gpipe, 1f1b,
+    interleaved-1f1b, zero-bubble);
   - 4 ranks: TP4; PP4 under 1f1b and interleaved-1f1b; TP2xDP2 (FSDP2 and replicated),
     PP2xDP2, TP2xPP2; a TP2xDP2 checkpoint resumed as FSDP4 and as TP2xPP2;
   - 8 ranks: DP2xTP2xPP2, once (no 8-GPU machine is lent; this is where 3-D is checked);
@@ -43,6 +44,12 @@ LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model
 # AdamW's eps raised as in with_data() below: at eps=1e-8 this variant drifted to 7e-5 by step 5
 # (losses still equal to 5e-7), the eps amplification explained there.
 SINUS = ["model.position=sinusoidal", "model.norm=rmsnorm", "train.eps=1e-5"]
+# The modern block (issue 16): QK-norm, ReLU^2, soft-capped logits (a cap low enough to bend
+# them), document masks with a window, a value embedding and U-net skips. A 64-token vocabulary
+# so that the end-of-text token (5) cuts the synthetic rows into documents, ~8 per step.
+MODERN = ["model.position=rope", "model.qk_norm=true", "model.mlp=relu2", "model.logit_softcap=2",
+          "model.attn_mask=doc", "model.eot_id=5", "model.attn_window=20", "model.value_embeds=1",
+          "model.skip_connections=true", "model.vocab_size=64"]
 SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 
 
@@ -77,6 +84,7 @@ def reference(root, tiny_data) -> dict:
     out = {}
     for variant, extra in (("gpt2", ["train.micro_batch_size=16"]), ("llama", ["train.micro_batch_size=16", *LLAMA]),
                            ("sinus", ["train.micro_batch_size=16", *SINUS]),
+                           ("modern", ["train.micro_batch_size=16", *MODERN]),
                            # validation takes eval_batches micro-batches: the same micro-batch size as the runs
                            ("data", with_data(tiny_data))):
         train_here(job(root, f"ref_{variant}", *extra)["overrides"])
@@ -93,6 +101,7 @@ def two(root, reference, tiny_data) -> dict:
             job(root, "tp2_sp", "parallel.tp=2"),
             job(root, "tp2_sp_llama", "parallel.tp=2", *LLAMA),
             job(root, "tp2_sp_sinus", "parallel.tp=2", *SINUS),
+            job(root, "tp2_sp_modern", "parallel.tp=2", *MODERN),
             job(root, "pp2_1f1b_llama", "parallel.pp=2", *LLAMA)]
     jobs += [job(root, f"pp2_{s}", "parallel.pp=2", f"parallel.pp_schedule={s}") for s in SCHEDULES]
     return run_worker(root, 2, jobs)
@@ -123,7 +132,7 @@ def eight(root, reference) -> dict:
 
 # ---- tensor parallel ------------------------------------------------------------------
 @pytest.mark.parametrize("name,variant", [("tp2_plain", "gpt2"), ("tp2_sp", "gpt2"), ("tp2_sp_llama", "llama"),
-                                          ("tp2_sp_sinus", "sinus")])
+                                          ("tp2_sp_sinus", "sinus"), ("tp2_sp_modern", "modern")])
 def test_tp2_matches_one_process(root, two, reference, name, variant):
     assert_matches(root / name, reference[variant], steps())
     assert all(not r["init_mismatched"] for r in two[name]), "TP shards must hold slices of the same init"

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 
@@ -229,21 +230,28 @@ def export_hf(run_or_ckpt, out_dir, *, dtype: str = "fp32", overwrite: bool = Fa
             "dtype": dtype, "tensors": len(tensors)}
 
 
-def cmd_export(args) -> int:
-    s = export_hf(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.force)
+def export(
+    checkpoint: str, out: Annotated[str, "the folder to write"], /, *,
+    format: Annotated[Literal["hf"], "hf: a Hugging Face transformers folder"] = "hf",
+    dtype: Annotated[Literal["fp32", "bf16", "fp16"], "weight dtype"] = "fp32",
+    force: Annotated[bool, "replace OUT if it exists"] = False,
+) -> int:
+    """Write a checkpoint as a Hugging Face transformers folder, weights in one file.
+
+    Checkpoints are DCP folders (a file per rank); this is the way to one file:
+    OUT/model.safetensors (safetensors.torch.load_file gives the state dict, no distlm
+    needed), with config.json and the tokenizer, so transformers' from_pretrained loads OUT.
+    GPT2LMHeadModel for learned/sinusoidal positions + layernorm + gelu, LlamaForCausalLM
+    for rope + rmsnorm + swiglu; other combinations are refused, never exported approximately.
+    """
+    s = export_hf(checkpoint, out, dtype=dtype, overwrite=force)
+    # safetensors writes its file 0600 whatever the umask: give it the mode of the other files,
+    # so that a server running as another user can read the model it can read the config of.
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in Path(s["out"]).iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
     print(f"exported {s['checkpoint']} as {s['architecture']} ({s['dtype']}, tokenizer {s['tokenizer']}) "
           f"to {s['out']}")
     return 0
-
-
-def add_export_parser(subparsers) -> None:
-    s = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face transformers folder",
-                              description="Export RUN_OR_CKPT to OUT as a transformers folder (safetensors, "
-                              "config.json, tokenizer): GPT2LMHeadModel for learned/sinusoidal + layernorm + "
-                              "gelu, LlamaForCausalLM for rope + rmsnorm + swiglu. Other combinations are refused.")
-    s.add_argument("checkpoint", metavar="RUN_OR_CKPT")
-    s.add_argument("out", metavar="OUT")
-    s.add_argument("--format", default="hf", choices=["hf"], help="output format (default hf)")
-    s.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight dtype (default fp32)")
-    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    s.set_defaults(fn=cmd_export)

@@ -73,13 +73,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """QK-norm: each head's vector scaled to unit RMS, in fp32, x (B, T, H, hd).
+    """QK-norm: each head's vector scaled to unit RMS, in fp32, x (B, T, H, hd). It bounds the
+    attention logits, which otherwise grow with the weights and saturate the softmax.
 
-    No learned gain. Its gradient would be a sum over heads, which tensor parallelism
-    splits across ranks (so it would need its own reduction), and the gain is largely
-    redundant: wq/wk can only change the direction of a normalised vector, but a gain
-    would set the attention temperature, bounded here by |q.k|/sqrt(hd) <= sqrt(hd)
-    (8 at hd=64, i.e. softmax weights up to e^16 apart, sharp enough in practice)."""
+    No learned gain. A gain would let each head learn its temperature, which here is
+    bounded by |q.k|/sqrt(hd) <= sqrt(hd): 8 at hd=64, softmax weights up to e^16 apart,
+    sharp enough to pick one token. And its gradient is a sum over heads, which tensor
+    parallelism splits across ranks: it would need a reduction of its own."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 

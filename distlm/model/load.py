@@ -60,7 +60,7 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu", task: Opt
 
 def _module(cfg: Config, labels: dict) -> nn.Module:
     if cfg.task.name == "classify":
-        from distlm.tasks.classify.model import Classifier
+        from distlm.model.classifier import Classifier
         return Classifier(cfg.model, len(labels["labels"]), cfg.task.pooling, cfg.task.attention)
     from distlm.model.gpt import GPT
     return GPT(cfg.model)

@@ -66,11 +66,3 @@ class Task(Protocol):
 
     def bench_fields(self, trainer, step_s: float) -> dict:
         """Task-specific figures `distlm bench` adds to its result."""
-
-
-def build_task(cfg: Config) -> Task:
-    if cfg.task.name == "classify":
-        from distlm.tasks.classify.task import ClassifyTask
-        return ClassifyTask()
-    from distlm.tasks.lm import LMTask
-    return LMTask()

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 from pathlib import Path
 
 from distlm.io import trim_csv
 
+# wall_time (Unix seconds) lets a benchmark time each row from its own process start.
 COLUMNS = ["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb",
-           "val_loss", "val_ppl", "elapsed_s"]
+           "val_loss", "val_ppl", "elapsed_s", "wall_time"]
 
 
 class RunLogger:
@@ -53,6 +55,7 @@ class RunLogger:
             return
         row = {k: ("" if values.get(k) is None else values.get(k)) for k in COLUMNS}
         row["step"] = step
+        row["wall_time"] = f"{time.time():.3f}"
         if values.get("elapsed_s") is not None:
             row["elapsed_s"] = values["elapsed_s"] + self.elapsed_offset
         self._csv.writerow(row)

@@ -1,20 +1,31 @@
-"""AdamW with weight decay only on matrices that are not embeddings."""
+"""The optimizer: AdamW (default), or Muon for the blocks' matrices with AdamW for the rest.
+
+AdamW decays only matrices that are not embeddings. ``train.optimizer=muon`` hands the
+2-D weights inside the transformer blocks to Muon (distlm/train/muon.py) and keeps AdamW,
+with the same two groups, for embeddings, the head, norms, biases and scalars.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from distlm.config import TrainConfig
+from distlm.config import ConfigError, TrainConfig
+
+# Wrappers that insert a component into parameter names without being part of the model.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+# A fused q/k/v projection: one (3d, d) weight holding three matrices.
+FUSED_QKV_NAMES = ("qkv", "wqkv", "c_attn")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, exclude=frozenset()) -> list[dict]:
+    """AdamW's two groups; parameters whose id is in ``exclude`` (Muon's) are left out."""
     # Decay shrinks weights toward zero; on norms and biases that only fights the
     # optimizer, and on embeddings it penalises rare tokens (GPT-3 / nanoGPT practice).
     no_decay_ids = set()
     for mod in model.modules():
         if isinstance(mod, nn.Embedding):
             no_decay_ids.add(id(mod.weight))
-    decay, no_decay, seen = [], [], set()
+    decay, no_decay, seen = [], [], set(exclude)
     for _, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
@@ -31,11 +42,72 @@ def one_mesh_per_group(groups: list[dict]) -> bool:
     return all(len({getattr(p, "device_mesh", None) for p in g["params"]}) <= 1 for g in groups)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    groups = param_groups(model, cfg.weight_decay)
+def _path(name: str) -> list[str]:
+    return [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+
+
+def muon_params(model: nn.Module) -> tuple[list, list]:
+    """(matrices, fused q/k/v matrices) for Muon: the 2-D weights inside the transformer
+    blocks (``blocks.*``), except embedding tables. Embeddings and the head stay with
+    AdamW: a table row is updated only by its tokens' gradients, and the head's rows are
+    per-token outputs; neither is a hidden linear map."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    plain, fused, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen or p.ndim != 2 or id(p) in embedding_ids:
+            continue
+        path = _path(name)
+        if "blocks" not in path[:-1]:
+            continue
+        seen.add(id(p))
+        (fused if len(path) >= 2 and path[-2] in FUSED_QKV_NAMES else plain).append(p)
+    return plain, fused
+
+
+def _check_muon(cfg: TrainConfig) -> None:
+    if cfg.lr <= 0 or cfg.muon_lr <= 0:
+        raise ConfigError(f"train.optimizer=muon needs train.lr > 0 and train.muon_lr > 0 "
+                          f"(got {cfg.lr} and {cfg.muon_lr}): Muon's rate is lr x muon_lr/lr")
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
+    if cfg.muon_ns_steps < 1:
+        raise ConfigError(f"train.muon_ns_steps must be at least 1, got {cfg.muon_ns_steps}")
+    if cfg.muon_weight_decay < 0:
+        raise ConfigError(f"train.muon_weight_decay must be >= 0, got {cfg.muon_weight_decay}")
+
+
+def _adamw_kernel(groups: list[dict], device_type: str) -> dict:
     # Fused AdamW is one kernel per step on CUDA. Its kernel, and the foreach path, refuse a
     # group that mixes plain tensors with DTensors (under TP a learned position table stays
     # a plain replicated tensor; first seen on 2x H200): such layouts step tensor by tensor.
     homogeneous = one_mesh_per_group(groups)
-    kw = dict(fused=True) if device_type == "cuda" and homogeneous else {} if homogeneous else dict(foreach=False)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kw)
+    return dict(fused=True) if device_type == "cuda" and homogeneous else {} if homogeneous else dict(foreach=False)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+    """``train.optimizer=adamw``: torch's AdamW over param_groups (decay, no decay).
+    ``muon``: one Muon object with groups [AdamW decay, AdamW no decay, Muon (, Muon fused
+    q/k/v)]; group 0 is AdamW's, so ``param_groups[0]["lr"]`` is still the schedule's lr.
+    Every group's ``lr`` is the schedule's value; Muon's groups multiply it by
+    ``lr_scale = muon_lr / lr``."""
+    if cfg.optimizer != "muon":
+        groups = param_groups(model, cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 **_adamw_kernel(groups, device_type))
+    _check_muon(cfg)
+    from distlm.train.muon import Muon
+    plain, fused = muon_params(model)
+    adamw_groups = param_groups(model, cfg.weight_decay, exclude={id(p) for p in plain + fused})
+    kernel = _adamw_kernel(adamw_groups, device_type)
+    groups = [dict(g, kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                   foreach=kernel.get("foreach"), fused=kernel.get("fused")) for g in adamw_groups]
+    muon = dict(kind="muon", lr_scale=cfg.muon_lr / cfg.lr, momentum=cfg.muon_momentum,
+                weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps)
+    groups.append(dict(muon, params=plain, split=1))
+    if fused:  # only when the model has one: the group list must not depend on the layout
+        groups.append(dict(muon, params=fused, split=3))
+    # Under DDP the matrices are replicated plain tensors: the Newton-Schulz work is spread
+    # over the DDP group. FSDP2/TP parameters are DTensors and carry their own mesh.
+    from torch.nn.parallel import DistributedDataParallel
+    group = model.process_group if isinstance(model, DistributedDataParallel) else None
+    return Muon(groups, lr=cfg.lr, process_group=group)

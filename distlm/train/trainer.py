@@ -295,7 +295,11 @@ class Trainer:
         self.finish_pending_save()
         if not ran:
             complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
-            return {"checkpoint": complete[-1] if complete else None, "val_loss": last_val}
+            if self.dims.is_main:
+                print(f"the run is already at train.max_steps={self.cfg.train.max_steps}: nothing to train")
+            saved_val = ckpt.read_meta(complete[-1]).get("val_loss") if complete else None
+            return {"checkpoint": complete[-1] if complete else None,
+                    "val_loss": float("nan") if saved_val is None else saved_val}
         if not stopped and not evaluated:
             last_val = self.evaluate()
             logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,

@@ -6,7 +6,7 @@
     distlm eval --checkpoint runs/NAME
     distlm predict --checkpoint runs/NAME --input texts.txt --out predictions.csv
 
-data.py (rows in, padded token arrays + label map out), model.py (Classifier, pooling),
+data.py (rows in, padded token arrays + label map out), distlm/model/classifier.py (Classifier, pooling),
 loader.py (global batches, trimmed to their longest row), metrics.py (accuracy,
 macro-F1, confusion matrix), task.py (the Trainer hook), cli.py (prepare/eval/predict).
 """

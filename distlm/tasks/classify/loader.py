@@ -15,7 +15,7 @@ import torch
 
 from distlm.data import DataError
 from distlm.data.loader import global_sample_ids
-from distlm.tasks.classify.model import TextBatch
+from distlm.model.classifier import TextBatch
 
 
 def make_batch(tokens: np.ndarray, lengths: np.ndarray) -> TextBatch:

@@ -23,7 +23,7 @@ from distlm.io import atomic_write_text, read_csv, write_csv
 from distlm.tasks.classify import data as cdata
 from distlm.tasks.classify.loader import ClassifyLoader, eval_batches
 from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
-from distlm.tasks.classify.model import Classifier, classify_loss
+from distlm.model.classifier import Classifier, classify_loss
 from distlm.tasks.base import Resolved
 from distlm.train import checkpoint as ckpt
 
@@ -133,7 +133,7 @@ class ClassifyTask:
         conf = torch.zeros(C * C, dtype=torch.float64, device=device)
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         trainer.model.eval()
-        for batch, y, w in eval_batches(self.val_data, 4 * self.cfg.train.micro_batch_size, dims.dp_rank,
+        for batch, y, w in eval_batches(self.val_data, 4 * trainer.cfg.train.micro_batch_size, dims.dp_rank,
                                         dims.dp_size):
             batch, y, w = batch.to(device), y.to(device), w.to(device)
             with trainer.compute():

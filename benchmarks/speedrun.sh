@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Time to quality on one GPU (issue 16): the nanoGPT recipe against the speedrun-124m recipe,
+# same data, same call, same card, each timed from its own process start.
+#
+#   CORPUS=../shared/data/corpus bash benchmarks/speedrun.sh [RUN ...]
+#
+# RUNs (default: "baseline speedrun"): baseline, speedrun, or speedrun-NAME for an ablation
+# listed in ABLATIONS below. The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
+# tokens) is laid out and prepared here, on the machine that runs it: GCIDE is GPL and is never
+# vendored. Validation is over the whole val split (train.eval_batches=0) in every run.
+# Results: $OUT/speedrun-table.md, the two plots, and each run's metrics.csv and log.
+set -uo pipefail
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/out}; WORK=${WORK:-/tmp/speedrun}; mkdir -p "$OUT" "$WORK"
+CORPUS=${CORPUS:?set CORPUS to the folder holding gutenberg/ sotu/ gcide/}
+DATA=$WORK/data
+if [ ! -f "$DATA/manifest.json" ]; then
+  $PY scripts/build_speedrun_corpus.py "$CORPUS" "$WORK/text" || exit 1
+  $PY -m distlm prepare "$WORK/text" --out "$DATA" --quiet || exit 1
+fi
+
+# nanoGPT's recipe through the gpt2-124m-1024 preset: 64 x 1024 tokens per step, AdamW (0.9, 0.95),
+# weight decay 0.1, lr 6e-4, 100 warm-up steps, cosine to 6e-5, 1,500 steps, clip 1.0, bf16.
+BASELINE=(--config gpt2-124m-1024 train.max_steps=1500 train.global_batch_size=64 train.micro_batch_size=32
+          train.lr=6e-4 train.min_lr=6e-5 train.warmup_steps=100 train.decay=cosine train.weight_decay=0.1
+          train.grad_clip=1.0 train.beta1=0.9 train.beta2=0.95 train.dtype=bf16 train.compile=true
+          train.eval_every=250)
+SPEEDRUN=(--config speedrun-124m)
+declare -A ABLATIONS=(
+  [adamw]="train.optimizer=adamw train.lr=1.5e-3"          # Muon off (AdamW at a tuned lr)
+  [plainblock]="model.qk_norm=false model.mlp=gelu model.zero_init_proj=false model.logit_softcap=0"
+  [cosine]="train.decay=cosine"                             # no WSD cooldown
+  [docmask]="model.attn_mask=doc"                           # document-masked attention
+)
+COMMON=(data.dir="$DATA" train.eval_batches=0 train.checkpoint_every=0 log.root="$WORK/runs" log.progress=false
+        log.tensorboard=false)
+
+specs=()
+for run in "${@:-baseline speedrun}"; do
+  for name in $run; do
+    case $name in
+      baseline) args=("${BASELINE[@]}") ;;
+      speedrun) args=("${SPEEDRUN[@]}") ;;
+      speedrun-*) args=("${SPEEDRUN[@]}" ${ABLATIONS[${name#speedrun-}]}) ;;
+      *) echo "unknown run $name" >&2; exit 2 ;;
+    esac
+    rm -rf "$WORK/runs/$name"
+    launch=$(date +%s.%N)
+    $PY -m distlm train "${args[@]}" "${COMMON[@]}" log.name="$name" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "[$name] rc $rc in $($PY -c "import time; print(round(time.time() - $launch, 1))") s: $(grep -E '^done|error' "$OUT/$name.log" | tail -1)"
+    cp "$WORK/runs/$name/metrics.csv" "$OUT/$name-metrics.csv" 2>/dev/null
+    specs+=("$WORK/runs/$name=$launch")
+  done
+done
+$PY benchmarks/speedrun_report.py "$OUT" "${specs[@]}"

@@ -1,0 +1,80 @@
+"""Time to quality, read from the runs' metrics.csv files (issue 16).
+
+    python benchmarks/speedrun_report.py OUT_DIR RUN_NAME[=LAUNCH_UNIX_TIME] ...
+
+Each run's validation rows are timed from its own process start (the launch time the
+benchmark script recorded before starting the process, so imports, data checks and
+compilation all count). The target is the baseline's (first run's) final validation
+loss; every other run is timed to its first validation at or below it. Writes
+OUT_DIR/speedrun-table.md and the two plots (loss against wall time, against tokens).
+"""
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+
+def read_run(run_dir: Path, launch: float) -> dict:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    val = [(float(r["wall_time"]) - launch, int(r["tokens"]), float(r["val_loss"]), int(r["step"]))
+           for r in rows if r.get("val_loss")]
+    train = [float(r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")]
+    mfu = [float(r["mfu"]) for r in rows if r.get("mfu")]
+    # The steady state: the median of the logged windows after the first (which holds compilation).
+    steady = sorted(train[1:] or train)
+    steady_mfu = sorted(mfu[1:] or mfu)
+    return {"name": run_dir.name, "val": val, "tok_s": steady[len(steady) // 2] if steady else None,
+            "mfu": steady_mfu[len(steady_mfu) // 2] if steady_mfu else None}
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    runs = []
+    for spec in argv[1:]:
+        path, _, launch = spec.partition("=")
+        runs.append(read_run(Path(path), float(launch)))
+    base = runs[0]
+    target = base["val"][-1][2]
+    lines = [f"Target: the baseline's ({base['name']}) final validation loss, {target:.4f}, over the whole val "
+             f"split.", "",
+             "| run | seconds from process start to target | tokens to target | final val loss | "
+             "final at (s) | steady tok/s | MFU | speed-up vs baseline |",
+             "|---|---|---|---|---|---|---|---|"]
+    base_s = base["val"][-1][0]
+    for r in runs:
+        hit = next(((t, tok) for t, tok, v, _ in r["val"] if v <= target), None)
+        t_hit, tok_hit = hit if hit else (None, None)
+        final_t, _, final_v, _ = r["val"][-1]
+        tok_s = "n/a" if r["tok_s"] is None else f"{r['tok_s']:,.0f}"
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {r['name']} | {'not reached' if hit is None else f'{t_hit:.1f}'} | "
+                     f"{'—' if hit is None else f'{tok_hit / 1e6:.1f}M'} | {final_v:.4f} | {final_t:.1f} | "
+                     f"{tok_s} | {mfu} | {'—' if hit is None else f'{base_s / t_hit:.2f}x'} |")
+    text = "\n".join(lines) + "\n"
+    (out / "speedrun-table.md").write_text(text)
+    print(text)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for xkey, xlabel, fname in ((0, "seconds from process start", "speedrun-loss-vs-time.png"),
+                                (1, "training tokens", "speedrun-loss-vs-tokens.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in runs:
+            xs = [p[xkey] for p in r["val"]]
+            ax.plot(xs, [p[2] for p in r["val"]], marker="o", markersize=3, label=r["name"])
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (whole val split)")
+        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

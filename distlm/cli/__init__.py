@@ -1,0 +1,160 @@
+"""`distlm VERB`: every verb is a plain typed function, listed once in VERBS below; its
+signature is its command line (signature.py builds the argparse parser from it).
+
+    distlm prepare INPUT... --out DIR [--tokenizer gpt2|bpe:N] [--task lm|classify]
+    distlm train [--config FILE_OR_PRESET] [section.key=value ...] [--print-config]
+    torchrun --nproc_per_node 4 -m distlm train parallel.dp_shard=4 ...
+    distlm eval --checkpoint RUN_OR_CKPT [--split val|train] [--json]   (a language model or a classifier)
+    distlm predict --checkpoint RUN_OR_CKPT --input FILE [--out F.csv|F.jsonl]
+    distlm generate --checkpoint RUN_OR_CKPT --prompt TEXT | --prompts-file F --out F.jsonl | --interactive
+    distlm plot RUN... [--out loss.png]
+    distlm bench [--config ...] [section.key=value ...] | --ceilings | --scaling 1,2,4 | --pp-sweep 1,2,4
+    distlm plan --gpus N [--config ...] [section.key=value ...]
+    distlm export RUN_OR_CKPT OUT [--dtype fp32|bf16|fp16]
+    distlm demo [--max-steps N]
+    distlm env [--json]                      (torchrun ... -m distlm env: every rank, one all-reduce)
+    distlm --version
+
+Conventions: config settings are `section.key=value` overrides, anywhere on the line, never
+flags (`--max-steps 5` is refused with the override to write instead); a flag given twice is
+an error; a user error is one line on stderr, `error: ...`, exit 2 (3 when training had to
+stop); under torchrun only rank 0 prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+from typing import Callable, Optional
+
+from distlm import __version__
+from distlm.cli.bench import bench
+from distlm.cli.generate import generate
+from distlm.cli.signature import add_verb, call, takes
+from distlm.cli.verbs import env, evaluate, plan, plot, prepare, train
+from distlm.config import SECTIONS, ConfigError, list_presets
+from distlm.data import DataError
+from distlm.demo import demo
+from distlm.interop.hf import export
+from distlm.tasks.classify.cli import predict
+from distlm.train.errors import CheckpointError
+from distlm.train.faults import TrainingStopped
+
+VERBS: dict[str, Callable[..., int]] = {
+    "prepare": prepare,
+    "train": train,
+    "eval": evaluate,
+    "predict": predict,
+    "generate": generate,
+    "plot": plot,
+    "bench": bench,
+    "plan": plan,
+    "export": export,
+    "demo": demo,
+    "env": env,
+}
+
+
+def shared_params() -> dict[str, dict]:
+    """Parameters that mean the same in every verb that has them: metavar and help, once."""
+    return {
+        "checkpoint": {"metavar": "RUN_OR_CKPT",
+                       "help": "a run folder (its newest complete checkpoint) or one checkpoint folder"},
+        "config": {"metavar": "FILE_OR_PRESET", "help": f"a YAML file or a preset: {', '.join(list_presets())}"},
+        "overrides": {"metavar": "section.key=value", "help": "config overrides, before or after the flags"},
+        "device": {"help": "where the model runs (auto: CUDA when there is one)"},
+    }
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A usage error is one line, like every other user error, and exit status 2."""
+        print_error(f"{self.prog}: {message} (see {self.prog} --help)")
+        sys.exit(2)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="distlm", description="Train GPT-style language models from scratch, from one CPU to many "
+               "GPUs (torch.distributed).", allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"distlm {__version__}")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    shared = shared_params()
+    p.verb_parsers = {name: add_verb(sub, name, fn, shared) for name, fn in VERBS.items()}
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            _take_overrides(parser.verb_parsers[args.verb], args, extra, argv)
+        return call(args._fn, args)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print_error(str(e))
+        return 2
+    except TrainingStopped as e:
+        print_error(str(e))
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        _shutdown()
+
+
+def print_error(message: str) -> None:
+    # Under torchrun every rank hits the same config error; one copy is enough.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _is_override(token: str) -> bool:
+    return "=" in token and not token.startswith("-")
+
+
+def _take_overrides(verb_parser: Parser, args: argparse.Namespace, extra: list[str], argv: list[str]) -> None:
+    """``section.key=value`` may come on both sides of a flag (``--config X a=1 --steps 5 b=2``):
+    argparse binds only the first run of positionals, so the rest arrive here. Anything else
+    is an error; a flag that names a config field gets the override to write instead."""
+    if takes(args._fn, "overrides"):
+        if all(_is_override(e) for e in extra):
+            args.overrides = [*args.overrides, *extra]
+            return
+        flag = next((e for e in extra if e.startswith("--")), None)
+        hint = flag and _config_flag_hint(flag, argv)
+        if hint:
+            verb_parser.error(hint)
+    verb_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
+def _config_flag_hint(flag: str, argv: list[str]) -> Optional[str]:
+    """'--max-steps 5' -> 'use train.max_steps=5'. Settings have one spelling, the config
+    field's, so that a command line, a YAML file and config.yaml of a run all read alike."""
+    name, eq, value = flag[2:].partition("=")
+    if not eq:
+        i = argv.index(flag) + 1
+        value = argv[i] if i < len(argv) and not argv[i].startswith("-") else "VALUE"
+    key = name.replace("-", "_")
+    fields = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    if key in fields:
+        return f"{flag.split('=')[0]}: config fields are not flags; write {key}={value}"
+    names = {f: f.split(".")[1] for f in fields}
+    exact = [f for f, n in names.items() if n == key]
+    # --batch-size: global_batch_size and micro_batch_size both contain it; say both
+    close = exact or [f for f, n in names.items() if key in n] or [
+        f for f, n in names.items() if n in difflib.get_close_matches(key, list(names.values()), n=3, cutoff=0.8)]
+    if not close:
+        return None
+    written = " or ".join(f"{f}={value}" for f in close)
+    return (f"{flag.split('=')[0]} is not a flag; config settings are overrides: "
+            + (f"use {written}" if exact else f"did you mean {written}?"))

@@ -1,0 +1,321 @@
+"""Muon: momentum whose update for each hidden weight matrix is orthogonalised.
+
+For a weight matrix W (out x in) and its Nesterov momentum M, Muon steps along
+``orth(M) = U V^T`` (M = U S V^T): the same directions as the momentum, every singular
+value set to about 1. A plain gradient step is dominated by a few large directions;
+the orthogonalised one moves all of them at the same rate. ``orth`` is approximated with
+a few Newton-Schulz iterations (matmuls only, so bf16 tensor cores run it).
+
+One optimizer object holds two kinds of parameter groups, tagged ``group["kind"]``:
+  - ``"muon"``: 2-D matrices (the transformer blocks' linear weights);
+  - ``"adamw"``: everything else (embeddings, head, norms, biases), stepped by torch's
+    own AdamW kernels (fused on CUDA) with the same state keys as ``torch.optim.AdamW``.
+So the Trainer, ``get_state_dict``/``set_state_dict`` and DCP see one ordinary
+``torch.optim.Optimizer`` whose state is per parameter: Muon's momentum buffer has the
+parameter's own layout (a DTensor shard under FSDP2/TP), and reshards like AdamW's moments.
+
+Distributed. Newton-Schulz needs whole matrices, and each matrix is orthogonalised by one
+rank only:
+  - DDP (plain tensors, gradients already all-reduced): rank r takes matrices r, r+W, ...;
+    the results are all-gathered over the DDP group.
+  - FSDP2 / TP / FSDP2 x TP / HSDP (DTensors): the matrices of one (mesh, placements,
+    shape) are stacked n = mesh.size() at a time. The stack, sharded as each matrix is,
+    is redistributed so that every rank of the mesh holds one whole matrix (an all-to-all
+    under FSDP2 or TP, done by DTensor), orthogonalised there, and redistributed back to
+    the original sharding; each rank then updates its own shard.
+  - anything else (one process, pipeline stages without data parallelism, Horovod): every
+    rank orthogonalises the matrices it holds.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.optim.adamw import adamw as adamw_update
+
+# Newton-Schulz. One step maps X = U S V^T to p(X) = aX + b(XX^T)X + c(XX^T)^2 X
+# = U p(S) V^T: the singular vectors stay, each singular value s becomes
+# p(s) = a s + b s^3 + c s^5. Dividing by the Frobenius norm first puts every s in (0, 1].
+# What we want of p:
+#   - a = p'(0) large: a small singular value grows about a-fold per step, so after k
+#     steps every s above about a^-k (of the Frobenius norm) is of order 1;
+#   - a band [lo, hi] around 1 that p maps into itself, so a value that arrives stays;
+#   - a margin above hi: p(s) <= hi up to some top > hi. bf16 rounding nudges values
+#     past hi, and where p crosses hi it is steep (slope ~6): without a margin, 1.22
+#     comes out near 1.32 (measured: 1.36 after 5 bf16 steps on a 96x96 matrix).
+# Exact convergence to 1 is not wanted: the update's direction is what matters, bf16
+# could not hold it anyway, and a tighter band costs a smaller a (more steps). We take
+# [lo, hi] = [0.7, 1.2] and top = 1.3. For these, a is largest when p equioscillates:
+# its local maximum (at x1) touches hi, its local minimum (at x2) touches lo, and
+# p(top) = hi. Writing p'(x) = 5c (x^2 - x1^2)(x^2 - x2^2) gives a = 5c x1^2 x2^2 and
+# b = -(5/3) c (x1^2 + x2^2); the three conditions then fix c, x1 and x2. Solved
+# numerically: x1 = 0.579, x2 = 1.090, and the coefficients below. In exact arithmetic
+# 5 steps take every s >= 1.9e-3 (of the Frobenius norm) into [0.70, 1.20] (4 steps:
+# s >= 6.4e-3, 6 steps: s >= 5.9e-4); in bf16 we measured [0.68, 1.21].
+NS_COEFFS = (3.2924, -4.1922, 1.6510)
+NS_BAND = (0.7, 1.2)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                  coeffs: tuple[float, float, float] = NS_COEFFS, eps: float = 1e-7) -> torch.Tensor:
+    """Approximately orthogonalise the last two dims of ``g`` (a matrix or a batch of
+    them): singular vectors kept, singular values pushed into NS_BAND. Returns ``dtype``.
+
+    No data-dependent Python branches (the transpose depends on the shape only), so it
+    traces under torch.compile; the matmuls run in ``dtype`` (bf16: tensor cores).
+    """
+    a, b, c = coeffs
+    # The Gram matrix X X^T is the costly part: form it on the short side.
+    tall = g.size(-2) > g.size(-1)
+    x = g.mT if tall else g
+    # Normalise in the input precision (fp32), then drop to bf16: the norm of a large
+    # matrix summed in bf16 would lose digits for nothing.
+    x = (x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)).to(dtype)
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    return x.mT if tall else x
+
+
+def update_scale(rows: int, cols: int) -> float:
+    """An orthogonalised (rows x cols) matrix has min(rows, cols) unit singular values,
+    so its element RMS is 1/sqrt(max(rows, cols)): a tall matrix (rows > cols, e.g. an
+    MLP's input projection, out x in) would get a smaller step per element than a square
+    or wide one for no reason. Scaling by sqrt(max(1, rows/cols)) makes the RMS
+    1/sqrt(cols) = 1/sqrt(fan_in) for every shape, and its spectral norm
+    sqrt(fan_out/fan_in) for tall matrices (1 otherwise), the size at which a matrix
+    changes its output's RMS by the same amount whatever its aspect ratio."""
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _shift(placements) -> tuple:
+    """The placements of one matrix, re-expressed for a stack of them (a new dim 0)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    out = []
+    for pl in placements:
+        # _StridedShard first: on some torch versions it subclasses Shard, on others not.
+        if isinstance(pl, _StridedShard):
+            out.append(_StridedShard(pl.dim + 1, split_factor=pl.split_factor))
+        elif isinstance(pl, Shard):
+            out.append(Shard(pl.dim + 1))
+        else:
+            out.append(pl)  # Replicate (Partial never reaches an optimizer: grads are reduced)
+    return tuple(out)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for groups of kind "muon" (the default), AdamW for groups of kind "adamw".
+
+    Muon group keys: ``lr``, ``lr_scale`` (the step uses lr * lr_scale, so one schedule
+    that sets every group's ``lr`` drives both kinds), ``momentum``, ``nesterov``,
+    ``weight_decay`` (decoupled: p <- p (1 - lr lr_scale wd)), ``ns_steps``, ``split``
+    (a fused q/k/v weight is ``split=3``: its three row blocks are orthogonalised
+    separately, as the three matrices they are).
+    AdamW group keys: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``foreach``, ``fused``.
+
+    ``process_group``: the DDP group whose ranks hold replicated plain-tensor parameters
+    (None: each rank orthogonalises what it holds). DTensor parameters bring their own
+    mesh. ``ns_dtype``: the Newton-Schulz precision (bf16; fp32 for exact comparisons).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
+                 ns_steps: int = 5, lr_scale: float = 1.0, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, *, process_group=None, ns_dtype: torch.dtype = torch.bfloat16):
+        # Defaults per kind, applied in add_param_group, so a group carries only its own keys.
+        self._kind_defaults = {
+            "muon": dict(lr_scale=lr_scale, momentum=momentum, nesterov=True, weight_decay=weight_decay,
+                         ns_steps=ns_steps, split=1),
+            "adamw": dict(betas=betas, eps=eps, weight_decay=0.0, foreach=None, fused=None),
+        }
+        self.process_group = process_group
+        self.ns_dtype = ns_dtype
+        self._ddp_mesh = None
+        # How many matrices this rank orthogonalised in the last step (tests check the
+        # work is spread, not repeated).
+        self.last_orthogonalised = 0
+        super().__init__(params, dict(lr=lr))
+
+    def add_param_group(self, param_group: dict) -> None:
+        kind = param_group.setdefault("kind", "muon")
+        if kind not in self._kind_defaults:
+            raise ValueError(f"Muon: param group kind must be 'muon' or 'adamw', got {kind!r}")
+        for key, value in self._kind_defaults[kind].items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        if kind == "muon":
+            for p in self.param_groups[-1]["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon updates matrices; got a parameter of shape {tuple(p.shape)} "
+                                     f"(put it in a group of kind 'adamw')")
+                if p.shape[0] % param_group["split"]:
+                    raise ValueError(f"Muon: split={param_group['split']} does not divide the rows of "
+                                     f"{tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon_groups = []
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_step(group)
+            else:
+                muon_groups.append(group)
+        self._muon_step(muon_groups)
+        return loss
+
+    # ---- AdamW ------------------------------------------------------------------------
+    def _adamw_step(self, group: dict) -> None:
+        # State as torch.optim.AdamW keeps it (same keys, `step` where its kernels want
+        # it), so checkpoints read the same and the fused/foreach kernels apply unchanged.
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=p.device if group["fused"] else torch.device("cpu"))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
+                     fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    # ---- Muon -------------------------------------------------------------------------
+    def _muon_step(self, groups: list[dict]) -> None:
+        # 1. Momentum and weight decay, element-wise on each rank's own shard.
+        # 2. Orthogonalise whole matrices, each on one rank (see the module docstring).
+        # 3. p -= lr * lr_scale * update_scale * orth(momentum), on the shard.
+        work = []  # (param, nesterov momentum (local), step size, split, ns_steps), in group order
+        for group in groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            for p in ps:
+                if not self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs = [_local(self.state[p]["momentum_buffer"]) for p in ps]
+            grads = [_local(p.grad) for p in ps]
+            mu = group["momentum"]
+            # An average of past gradients (buf <- mu buf + (1 - mu) g) rather than a sum:
+            # the orthogonalisation divides out the scale, and an average keeps the buffer
+            # the size of a gradient.
+            torch._foreach_lerp_(bufs, grads, 1.0 - mu)
+            # Nesterov: step along the gradient pulled toward the updated average.
+            moms = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+            lr = group["lr"] * group["lr_scale"]
+            if group["weight_decay"]:
+                torch._foreach_mul_([_local(p) for p in ps], 1.0 - lr * group["weight_decay"])
+            split = group["split"]
+            for p, m in zip(ps, moms):
+                rows, cols = p.shape[0] // split, p.shape[1]
+                work.append((p, m, lr * update_scale(rows, cols), split, group["ns_steps"]))
+        done = 0
+        for key, items in self._buckets(work).items():
+            done += self._orthogonalise_and_apply(*key, items)
+        self.last_orthogonalised = done
+
+    def _buckets(self, work: list) -> dict:
+        """Matrices that can be stacked: same mesh, placements, global shape, split and
+        step count. Dict order follows parameter order, the same on every rank, so the
+        collectives line up."""
+        buckets: dict = {}
+        for p, m, step_size, split, ns_steps in work:
+            if hasattr(p, "device_mesh"):
+                mesh, placements = p.device_mesh, tuple(p.placements)
+            else:
+                mesh, placements = self._replica_mesh(p), None
+            key = (mesh, placements, tuple(p.shape), split, ns_steps)
+            buckets.setdefault(key, []).append((p, m, step_size))
+        return buckets
+
+    def _replica_mesh(self, p: torch.Tensor):
+        """The DDP group as a 1-D mesh (built once), so replicated plain tensors take the
+        same DTensor path as sharded ones; None when there is no group to share work with."""
+        group = self.process_group
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return None
+        if self._ddp_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+            self._ddp_mesh = DeviceMesh.from_group(group, p.device.type)
+        return self._ddp_mesh
+
+    def _orthogonalise(self, stack: torch.Tensor, split: int, steps: int) -> torch.Tensor:
+        n, rows, cols = stack.shape
+        out = newton_schulz(stack.reshape(n * split, rows // split, cols), steps, self.ns_dtype)
+        return out.reshape(n, rows, cols)
+
+    def _orthogonalise_and_apply(self, mesh, placements, shape, split: int, steps: int, items: list) -> int:
+        """Returns how many matrices this rank orthogonalised."""
+        if mesh is None:
+            # Nothing to share with: orthogonalise every matrix here, as one batch.
+            moms = torch.stack([m for _, m, _ in items])
+            out = self._orthogonalise(moms, split, steps)
+            for (p, _, step_size), o in zip(items, out):
+                _local(p).add_(o, alpha=-step_size)
+            return len(items)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        src_pl = _shift(placements) if placements is not None else (Replicate(),)
+        whole = (Shard(0),) * mesh.ndim  # nested over every mesh dim: one matrix per rank
+        n = mesh.size()
+        me = self._flat_coordinate(mesh)
+        done = 0
+        for start in range(0, len(items), n):
+            chunk = items[start:start + n]
+            local = [m.to(self.ns_dtype) for _, m, _ in chunk]
+            # The last round of a bucket may have fewer matrices than ranks: pad with zeros
+            # (their owners skip the work).
+            local += [torch.zeros_like(local[0])] * (n - len(chunk))
+            stacked = torch.stack(local)
+            gshape = (n, *shape)
+            device = stacked.device
+            if device.type != mesh.device_type:  # FSDP2 CPU offload: shards in host memory
+                stacked = stacked.to(torch.device(mesh.device_type, torch.cuda.current_device())
+                                     if mesh.device_type == "cuda" else torch.device(mesh.device_type))
+            dt = DTensor.from_local(stacked, mesh, src_pl, run_check=False, shape=gshape,
+                                    stride=_contiguous_stride(gshape))
+            mine = dt.redistribute(mesh, whole).to_local()  # (1, *shape): one whole matrix
+            if me < len(chunk):
+                mine = self._orthogonalise(mine, split, steps)
+                done += 1
+            back = DTensor.from_local(mine, mesh, whole, run_check=False, shape=gshape,
+                                      stride=_contiguous_stride(gshape)).redistribute(mesh, src_pl).to_local()
+            back = back.to(device)
+            for (p, _, step_size), o in zip(chunk, back):
+                _local(p).add_(o, alpha=-step_size)
+        return done
+
+    @staticmethod
+    def _flat_coordinate(mesh) -> int:
+        """This rank's index in the stack that nested Shard(0) placements give it (row-major)."""
+        idx = 0
+        for c, size in zip(mesh.get_coordinate(), mesh.shape):
+            idx = idx * size + c
+        return idx

@@ -1,0 +1,186 @@
+"""Issue 14's run-level holes, each as a real process or a real run: two trainers on one run
+folder, signals at start-up and after the last step, an evaluation that fails after the last
+step, a finished run resumed, absurd numbers in the config, a broken manifest, and a killed
+`prepare` leaving its tokenizer workers behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import fault_harness as fh
+
+LONG = ["train.max_steps=100000", "train.checkpoint_every=0"]
+
+
+def one_line_error(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_a_second_trainer_on_the_same_run_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
+    first = fh.launch(fh.train_cmd(tmp_path, "x", *LONG), tmp_path / "first.log")
+    try:
+        assert fh.wait_for(lambda: fh.last_logged_step(tmp_path / "x") >= 2, first, timeout=120), \
+            (tmp_path / "first.log").read_text()
+        # The same name started fresh is refused as an existing run; with resume=auto (which
+        # would truncate the live run's metrics.csv) the lock refuses it, naming the holder.
+        fresh = one_line_error(fh.run(fh.train_cmd(tmp_path, "x")))
+        assert "already exists" in fresh, fresh
+        err = one_line_error(fh.run(fh.train_cmd(tmp_path, "x", "train.resume=auto")))
+        assert "in use by another trainer" in err and f"PID {first.pid}" in err, err
+        rows_before = fh.metric_rows(tmp_path / "x")
+        assert rows_before, "the first trainer's metrics were lost"
+    finally:
+        fh.kill_tree(first)
+    # kill -9 leaves no stale lock: the run resumes.
+    third = fh.run(fh.train_cmd(tmp_path, "x", "train.max_steps=4", "train.resume=auto"))
+    assert third.returncode == 0, third.stderr
+
+
+SIGNAL_AT_FINISH = """
+import os, signal, sys
+from distlm.config import load_config
+from distlm.train.trainer import Trainer
+cfg = load_config(None, sys.argv[1:])
+trainer = Trainer(cfg)
+finish = trainer._finish
+def signalled_finish(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the window between the last step and the final save
+    return finish(*args, **kwargs)
+trainer._finish = signalled_finish
+print("RESULT", trainer.train()["checkpoint"])
+"""
+
+
+def test_a_signal_after_the_last_step_still_leaves_the_final_checkpoint(tmp_path):
+    script = tmp_path / "signal_at_finish.py"
+    script.write_text(textwrap.dedent(SIGNAL_AT_FINISH))
+    overrides = [o for o in fh.CLI_TINY if not o.startswith(("train.checkpoint_every", "train.max_steps"))]
+    proc = fh.run([sys.executable, str(script), *overrides, "train.max_steps=3", "train.checkpoint_every=0",
+                   f"log.root={tmp_path}", "log.name=s"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    complete, _ = fh.checkpoints(tmp_path / "s")
+    assert [fh.step_of(c) for c in complete] == [3]
+
+
+def test_a_signal_during_start_up_leaves_nothing_or_a_resumable_run(tmp_path):
+    outcomes = set()
+    for i, delay in enumerate((0.3, 1.0, 2.0, 3.0, 4.5)):
+        name = f"r{i}"
+        proc = fh.launch(fh.train_cmd(tmp_path, name, *LONG), tmp_path / f"{name}.log")
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        run_dir = tmp_path / name
+        if not run_dir.exists() or not any(p for p in run_dir.iterdir() if p.name != ".lock"):
+            outcomes.add("nothing")
+            continue
+        assert (run_dir / "config.yaml").is_file(), list(run_dir.iterdir())
+        again = fh.run(fh.train_cmd(tmp_path, name, "train.max_steps=2", "train.resume=auto"))
+        assert again.returncode == 0, again.stderr[-2000:]
+        outcomes.add("resumable")
+    assert outcomes  # each outcome above was checked
+
+
+def test_a_failing_final_evaluation_keeps_the_final_checkpoint(tmp_path, tiny_data):
+    from distlm.config import load_config
+    from distlm.train.trainer import Trainer
+    cfg = load_config(None, ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64",
+                             "model.block_size=16", f"data.dir={tiny_data}", "train.max_steps=3",
+                             "train.eval_every=0", "log.progress=false", "log.tensorboard=false",
+                             f"log.root={tmp_path}", "log.name=e", "train.device=cpu"])
+    trainer = Trainer(cfg)
+
+    def broken_eval():
+        raise RuntimeError("evaluation failed")
+
+    trainer.evaluate = broken_eval
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        trainer.train()
+    complete, _ = fh.checkpoints(tmp_path / "e")
+    assert [fh.step_of(c) for c in complete] == [3]
+
+
+def test_resuming_a_finished_run_adds_no_row(tmp_path):
+    done = fh.run(fh.train_cmd(tmp_path, "f", "train.max_steps=4", "train.eval_every=2"))
+    assert done.returncode == 0, done.stderr
+    before = (tmp_path / "f" / "metrics.csv").read_text()
+    again = fh.run(fh.train_cmd(tmp_path, "f", "train.max_steps=4", "train.eval_every=2", "train.resume=auto"))
+    assert again.returncode == 0, again.stderr
+    after = (tmp_path / "f" / "metrics.csv").read_text()
+    assert after == before
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.lr=nan", "train.lr must be a finite number"), ("train.lr=inf", "train.lr must be a finite number"),
+    ("train.beta1=2", "train.beta1 must be in [0, 1)"), ("train.grad_clip=nan", "train.grad_clip must be a finite"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
+    ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"), ("train.keep_last=-1", "train.keep_last must be"),
+    ("train.eps=0", "train.eps must be > 0"),
+])
+def test_absurd_optimizer_numbers_are_refused_in_one_line(override, needle, capsys):
+    from distlm.cli import main
+    assert main(["train", "data.source=synthetic", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize("value", ["'50257'", "0", "true"])
+def test_a_manifest_vocab_that_is_not_a_positive_integer_is_named(value, tiny_data, tmp_path, capsys):
+    import shutil
+    from distlm.cli import main
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    text = (data / "manifest.json").read_text()
+    manifest = json.loads(text)
+    manifest["tokenizer"]["vocab_size"] = json.loads(value.replace("'", '"'))
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    rc = main(["train", f"data.dir={data}", "train.max_steps=1", f"log.root={tmp_path}", "log.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "tokenizer.vocab_size must be a positive integer" in err[0], err
+
+
+def test_a_manifest_vocab_above_the_tokenizers_is_refused(tiny_data, tmp_path, capsys):
+    import shutil
+    from distlm.cli import main
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_size"] = 50304
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    rc = main(["train", f"data.dir={data}", "train.max_steps=1", f"log.root={tmp_path}", "log.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "50304" in err[0] and "50257" in err[0], err
+
+
+def test_kill_9_of_prepare_takes_its_tokenizer_workers_with_it(tmp_path):
+    text = tmp_path / "text"
+    text.mkdir()
+    para = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40 + "\n\n"
+    for i in range(16):
+        (text / f"doc{i}.txt").write_text(para * 2500)  # ~8 MB each: the workers live for seconds
+    proc = subprocess.Popen([sys.executable, "-m", "distlm", "prepare", str(text), "--out", str(tmp_path / "out"),
+                             "--workers", "2", "--quiet"], cwd=str(fh.ROOT), env=fh.child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert fh.wait_for(lambda: len(fh.descendants(proc.pid)) >= 2, proc, timeout=120), "no workers started"
+        workers = fh.descendants(proc.pid)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(fh._alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [p for p in workers if fh._alive(p)]
+    for p in survivors:  # don't leave them running on a failure
+        os.kill(p, signal.SIGKILL)
+    assert not survivors, f"tokenizer workers {survivors} outlived their parent"
