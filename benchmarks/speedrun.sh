@@ -11,6 +11,7 @@
 # Results: $OUT/speedrun-table.md, the two plots, and each run's metrics.csv and log.
 set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=${PYTHONPATH:-$PWD}   # PYTHONSAFEPATH keeps the current folder off sys.path
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/out}; WORK=${WORK:-/tmp/speedrun}; mkdir -p "$OUT" "$WORK"
 CORPUS=${CORPUS:?set CORPUS to the folder holding gutenberg/ sotu/ gcide/}

@@ -4,8 +4,8 @@
 
 Each run's validation rows are timed from its own process start (the launch time the
 benchmark script recorded before starting the process, so imports, data checks and
-compilation all count). The target is the baseline's (first run's) final validation
-loss; every other run is timed to its first validation at or below it. Writes
+compilation all count). The target is the final validation loss of the run named
+"baseline" (else the first run); every other run is timed to its first validation at or below it. Writes
 OUT_DIR/speedrun-table.md and the two plots (loss against wall time, against tokens).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     for spec in argv[1:]:
         path, _, launch = spec.partition("=")
         runs.append(read_run(Path(path), float(launch)))
-    base = runs[0]
+    base = next((r for r in runs if r["name"] == "baseline"), runs[0])
     target = base["val"][-1][2]
     lines = [f"Target: the baseline's ({base['name']}) final validation loss, {target:.4f}, over the whole val "
              f"split.", "",

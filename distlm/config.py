@@ -417,7 +417,8 @@ _RANGES = {
     "train.stop_check_every": _at_least(1), "train.wsd_decay_fraction": _in_unit(True),
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
     "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
-    "log.samples": _at_least(0), "log.peak_tflops": _at_least(0),
+    "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
+    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0),
 }
 
 
@@ -447,6 +448,14 @@ def _validate_task(cfg: Config) -> None:
                               f"use data parallelism (parallel.dp_replicate or parallel.dp_shard)")
     if cfg.parallel.engine != "torch":
         raise ConfigError(f"task.name=classify runs on parallel.engine=torch, not {cfg.parallel.engine}")
+    # The classifier runs the trunk's blocks itself, without the token-id-driven extras.
+    m = cfg.model
+    extras = [f"model.{k}={getattr(m, k)}" for k, off in (("value_embeds", 0), ("skip_connections", False),
+                                                           ("attn_mask", "causal"), ("attn_window", 0))
+              if getattr(m, k) != off]
+    if extras:
+        raise ConfigError(f"task.name=classify does not support {', '.join(extras)}: the classifier's trunk runs "
+                          f"plain blocks")
     if task.init_from is not None and not Path(task.init_from).exists():
         raise ConfigError(f"task.init_from: no such run or checkpoint: {task.init_from}")
 

@@ -117,7 +117,8 @@ def main(out: str) -> None:
             dist.all_gather_object(replicas, {n: p.detach().clone() for n, p in gpt.named_parameters()})
             same = all(torch.equal(r[n], replicas[0][n]) for r in replicas for n in replicas[0])
         if name == "fsdp2":
-            save_checkpoint(out_dir / "ckpt_fsdp2", STEPS, model, opt, {"job": name})
+            save_checkpoint(out_dir / "ckpt_fsdp2", STEPS, model, opt,
+                            {"config": cfg.to_dict(), "trainer": {"step": STEPS}})
         if dist.get_rank() == 0:
             torch.save({**snap, "losses": losses, "orthogonalised": counts, "model_type": model_type,
                         "replicas_identical": same,

@@ -163,7 +163,8 @@ def test_bench_on_cpu(tmp_path):
 
 def test_plan_numbers_for_small_and_unsplittable_models():
     """Item 6: a tiny model's step time is not printed as 0, and dropped TP layouts say why."""
-    tiny, big = distlm_all(["plan", "--config", "tiny", "--gpus", "1"], ["plan", "--config", "gpt2-1.5b", "--gpus", "4"])
+    tiny, big = distlm_all(["plan", "--config", "tiny", "--gpus", "1"],
+                           ["plan", "--config", "gpt2-1.5b", "--gpus", "4"])
     assert tiny.returncode == 0 and big.returncode == 0
     row = next(line for line in tiny.stdout.splitlines() if line.startswith("| single |"))
     assert 0 < float(row.split("|")[-3]) < 10  # est. ms/step, a fraction of a millisecond

@@ -49,7 +49,8 @@ def parser():
 
 
 def test_the_parser_is_read_from_the_signature(parser, capsys):
-    args = parser.parse_args(["toy", "a", "b", "--out", "o", "--n", "5", "--mode", "fast", "--dry-run", "--rate", "0.5"])
+    args = parser.parse_args(["toy", "a", "b", "--out", "o", "--n", "5", "--mode", "fast", "--dry-run",
+                              "--rate", "0.5"])
     assert call(args._fn, args) == 0 and toy.got == (["a", "b"], "o", 5, "fast", True, 0.5)
     args = parser.parse_args(["toy", "a", "--out", "o"])
     call(args._fn, args)
@@ -76,7 +77,7 @@ def test_help_shows_defaults_as_a_user_reads_it():
     out, err = gen.communicate(timeout=120)
     assert gen.returncode == 0 and err == ""
     flat = " ".join(out.split())
-    for needle in ["--max-new-tokens MAX_NEW_TOKENS tokens sampled per completion (default: 200)",
+    for needle in ["--max-new-tokens N tokens sampled per completion (default: 200)",
                    "0 = greedy; higher = more varied (default: 0.8)", "0 = off (default: 200)",
                    "--checkpoint RUN_OR_CKPT"]:
         assert needle in flat, needle

@@ -10,9 +10,10 @@ GPipe and 1F1B: (pp - 1) / (m + pp - 1); naive: (pp - 1) / pp.
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
+
+from distlm.config import updated
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 
@@ -32,11 +33,8 @@ def run_sweep(cfg, counts: list[int], warmup: int, steps: int) -> list[dict]:
         for m in ([1] if schedule == "naive" else counts):
             if local % m or (schedule == "1f1b" and m < pp):  # 1F1B needs a microbatch per stage at least
                 continue
-            c = copy.deepcopy(cfg)
-            c.parallel.pp_schedule = schedule
-            c.parallel.pp_microbatches = m
-            c.train.micro_batch_size = local // m
-            c.log.name = f"{cfg.log.name}-{schedule}-m{m}"
+            c = updated(cfg, parallel={"pp_schedule": schedule, "pp_microbatches": m},
+                        train={"micro_batch_size": local // m}, log={"name": f"{cfg.log.name}-{schedule}-m{m}"})
             r = run_bench(c, warmup, steps, comm_probe=False)
             if schedule == "naive":
                 naive_s = r["step_s"]

@@ -179,7 +179,8 @@ def markdown_row(r: dict) -> str:
     layout = f"dpr{lay['dp_replicate']}·dps{lay['dp_shard']}·tp{lay['tp']}·pp{lay['pp']}"
     return (f"| {r['date']} | {r['device']} | {r['world_size']} | {layout} | {r['model']['params'] / 1e6:.0f}M "
             f"T={r['model']['block_size']} | {r['global_batch_size']}/{r['micro_batch_size']} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {f(tflops, '.1f' if tflops >= 1 else '.3g')} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"{f(tflops, '.1f' if tflops >= 1 else '.3g')} | "
             f"{f(r['mfu'] and 100 * r['mfu'], '.1f')} | {f(r['peak_mem_gb'], '.1f')} | "
             f"{f(r['exposed_comm_s'] and 1e3 * r['exposed_comm_s'], '.1f')} | torch {r['torch']} |")
 

@@ -151,8 +151,8 @@ def _config_flag_hint(flag: str, argv: list[str]) -> Optional[str]:
     names = {f: f.split(".")[1] for f in fields}
     exact = [f for f, n in names.items() if n == key]
     # --batch-size: global_batch_size and micro_batch_size both contain it; say both
-    close = exact or [f for f, n in names.items() if key in n] or [
-        f for f, n in names.items() if n in difflib.get_close_matches(key, list(names.values()), n=3, cutoff=0.8)]
+    close = (exact or [f for f, n in names.items() if key in n] or [
+        f for f, n in names.items() if n in difflib.get_close_matches(key, list(names.values()), n=3, cutoff=0.8)])[:3]
     if not close:
         return None
     written = " or ".join(f"{f}={value}" for f in close)

@@ -12,8 +12,10 @@ from typing import Annotated, Literal, Optional, Sequence
 
 from distlm.config import Config, ConfigError, load_config, updated
 
-# A CPU run above either size takes minutes to hours per step: 124M parameters train at
-# tens of tokens/s on a 2-core box, while `tiny` (1.3M) does ~10k.
+Axis = Literal["dp_replicate", "dp_shard"]
+
+# On a 2-core CPU `tiny` (1.3M parameters, 2k tokens per step) trains at ~10k tokens/s; a
+# step's cost grows with both numbers, and gpt2-124m-1024's 25 steps would take hours.
 CPU_MAX_PARAMS = 20_000_000
 CPU_MAX_TOKENS_PER_STEP = 65_536
 
@@ -32,8 +34,7 @@ def bench(
     memory_cap_gib: Annotated[float, "cap each process's GPU memory, e.g. 79 to check that a run fits an "
                                      "80 GB card; 0 = no cap"] = 0.0,
     scaling: Annotated[Optional[str], "e.g. 1,2,4: run at each world size (torchrun) and report scaling"] = None,
-    axis: Annotated[Literal["dp_replicate", "dp_shard"], "--scaling: DDP (dp_replicate) or FSDP2 (dp_shard)"]
-    = "dp_replicate",
+    axis: Annotated[Axis, "--scaling: DDP (dp_replicate) or FSDP2 (dp_shard)"] = "dp_replicate",
     mode: Annotated[Literal["weak", "strong"], "--scaling: keep the per-GPU or the global batch"] = "weak",
     out_dir: Annotated[str, "--scaling, --pp-sweep: where the table and plots go"] = "bench-scaling",
     pp_sweep: Annotated[Optional[str], "e.g. 1,2,4,8: under torchrun with parallel.pp>=2, step time and bubble "

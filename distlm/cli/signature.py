@@ -11,6 +11,7 @@ an argparse sub-command and calls the function with what was parsed:
     ``Optional[int]``                         ->  an int, default None
     ``Sequence[str]``                         ->  several values (one or more; any number with a default)
     ``Annotated[T, "text"]``                  ->  the help line
+    ``int`` / ``float``                       ->  shown as N / X (``--max-new-tokens N``)
 
 The docstring's first line is the verb's line in ``distlm --help``; the whole docstring is
 the description of ``distlm VERB --help``. A parameter name that means the same thing in
@@ -29,7 +30,7 @@ from typing import Any, Callable, Literal, Union
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Docstrings keep their line breaks; every flag's help ends with its default, except
-    where the default says nothing (None, off switches, an empty list)."""
+    where the default says nothing (None, a switch that is off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -84,6 +85,8 @@ def _argument(param: inspect.Parameter, hint: Any, text: str, shared: dict) -> t
         kw["action"] = "store_true"
     else:
         kw["type"] = hint
+        if hint in (int, float) and "metavar" not in kw:
+            kw["metavar"] = "N" if hint is int else "X"
     if not required:
         kw["default"] = list(param.default) if origin in (list, collections.abc.Sequence) else param.default
     if param.kind is inspect.Parameter.POSITIONAL_ONLY:

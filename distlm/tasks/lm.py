@@ -59,7 +59,13 @@ class LMTask:
             raise ConfigError(f"init.from_hf={cfg.init.from_hf} has a {cfg.model.vocab_size}-token vocabulary but "
                               f"{cfg.data.dir} was prepared with {manifest['tokenizer']['name']} "
                               f"({manifest['tokenizer']['vocab_size']} tokens); prepare it with that tokenizer")
-        cfg = updated(cfg, model={"vocab_size": vocab})
+        model = {"vocab_size": vocab}
+        if cfg.model.attn_mask == "doc" and cfg.model.eot_id is None:
+            eos = manifest["tokenizer"].get("eos_id")  # documents end where prepare put the EOT token
+            if eos is None:
+                raise ConfigError(f"model.attn_mask=doc: {data_dir}/manifest.json names no eos_id; set model.eot_id")
+            model["eot_id"] = int(eos)
+        cfg = updated(cfg, model=model)
         check_model_split(cfg.model, cfg.parallel)  # the vocabulary is known only now
         self.manifest, self.data_dir = manifest, data_dir
         return Resolved(cfg, manifest, data_dir)

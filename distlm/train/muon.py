@@ -52,7 +52,7 @@ from torch.optim.adamw import adamw as adamw_update
 # p(top) = hi. Writing p'(x) = 5c (x^2 - x1^2)(x^2 - x2^2) gives a = 5c x1^2 x2^2 and
 # b = -(5/3) c (x1^2 + x2^2); the three conditions then fix c, x1 and x2. Solved
 # numerically: x1 = 0.579, x2 = 1.090, and the coefficients below. In exact arithmetic
-# 5 steps take every s >= 1.9e-3 (of the Frobenius norm) into [0.70, 1.20] (4 steps:
+# 5 steps take every s >= 2.0e-3 (of the Frobenius norm) into [0.70, 1.20] (4 steps:
 # s >= 6.4e-3, 6 steps: s >= 5.9e-4); in bf16 we measured [0.68, 1.21].
 NS_COEFFS = (3.2924, -4.1922, 1.6510)
 NS_BAND = (0.7, 1.2)
@@ -166,6 +166,16 @@ class Muon(torch.optim.Optimizer):
                 if p.shape[0] % param_group["split"]:
                     raise ValueError(f"Muon: split={param_group['split']} does not divide the rows of "
                                      f"{tuple(p.shape)}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # A loaded group replaces the current one whole. Keep any key the loaded one lacks
+        # (a checkpoint from before a key existed, or a group whose hyperparameters the
+        # distributed state-dict path did not carry), so "kind" can never go missing.
+        current = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, before in zip(self.param_groups, current):
+            for key, value in before.items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure=None):

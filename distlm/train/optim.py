@@ -86,8 +86,9 @@ def _adamw_kernel(groups: list[dict], device_type: str) -> dict:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
     """``train.optimizer=adamw``: torch's AdamW over param_groups (decay, no decay).
-    ``muon``: one Muon object with groups [AdamW decay, AdamW no decay, Muon (, Muon fused
-    q/k/v)]; group 0 is AdamW's, so ``param_groups[0]["lr"]`` is still the schedule's lr.
+    ``muon``: one Muon object with groups [AdamW decay, AdamW no decay, Muon, Muon fused
+    q/k/v], the empty ones left out; group 0 is AdamW's, so ``param_groups[0]["lr"]`` is
+    still the schedule's lr.
     Every group's ``lr`` is the schedule's value; Muon's groups multiply it by
     ``lr_scale = muon_lr / lr``."""
     if cfg.optimizer != "muon":
@@ -103,9 +104,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
                    foreach=kernel.get("foreach"), fused=kernel.get("fused")) for g in adamw_groups]
     muon = dict(kind="muon", lr_scale=cfg.muon_lr / cfg.lr, momentum=cfg.muon_momentum,
                 weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps)
-    groups.append(dict(muon, params=plain, split=1))
-    if fused:  # only when the model has one: the group list must not depend on the layout
-        groups.append(dict(muon, params=fused, split=3))
+    groups += [dict(muon, params=plain, split=1), dict(muon, params=fused, split=3)]
+    # Empty groups are left out (AdamW's decay group is empty when the head is tied, the
+    # fused q/k/v group when the model has none). get_state_dict keys groups by their
+    # parameters' names, and set_state_dict gives an empty group's hyperparameters to no
+    # one (torch 2.13: it comes back as {}). Which groups exist depends on the architecture
+    # (and under PP on the stage), never on the data/tensor-parallel layout.
+    groups = [g for g in groups if g["params"]]
     # Under DDP the matrices are replicated plain tensors: the Newton-Schulz work is spread
     # over the DDP group. FSDP2/TP parameters are DTensors and carry their own mesh.
     from torch.nn.parallel import DistributedDataParallel

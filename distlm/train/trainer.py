@@ -304,7 +304,7 @@ class Trainer:
             last_val = self.evaluate()
             logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,
                                    "val_ppl": math.exp(min(last_val, 50)), **self.task.eval_metrics()})
-            if self.dims.is_main:
+            if self.dims.is_main and math.isfinite(last_val):
                 print(f"final val loss {last_val:.4f} on {self.task.describe_eval()}")
             if final is not None and self.dims.is_main and math.isfinite(last_val):
                 self._record_val(final, last_val)
