@@ -1,6 +1,7 @@
 """Muon under DDP2, FSDP2 and TP2 in one torchrun launch (tests/test_muon.py).
 
     torchrun --standalone --nproc_per_node 2 tests/muon_worker.py OUT_DIR
+    torchrun --standalone --nproc_per_node 4 tests/muon_worker.py OUT_DIR   # DDP4, HSDP, TP x FSDP2, TP x DDP
 
 Each job builds the model through distlm.parallel.parallelize (meta device, per-name
 init, so every layout starts from the same weights), takes a few Muon steps on fixed
@@ -11,6 +12,7 @@ single-process reference the test computes.
 """
 from __future__ import annotations
 
+import datetime
 import sys
 from pathlib import Path
 
@@ -31,9 +33,13 @@ STEPS, BATCH = 3, 8
 MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=96", "model.block_size=16",
          "model.vocab_size=256", "model.position=learned", "model.mlp=swiglu", "model.tie_embeddings=false",
          "train.optimizer=muon", "train.lr=1e-3", "train.eps=1e-5", "train.muon_lr=0.02", "train.weight_decay=0.1",
-         "train.muon_weight_decay=0.1", "train.global_batch_size=8", "train.micro_batch_size=4",
+         "train.muon_weight_decay=0.1", "train.global_batch_size=8", "train.micro_batch_size=2",
          "parallel.timeout_s=60", "parallel.loss_parallel=false"]
 LAYOUTS = {"ddp2": ["parallel.dp_replicate=2"], "fsdp2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"]}
+# 4 ranks: run by test_muon.py only when DISTLM_TEST_4RANKS=1 (on 2 cores a 4-rank launch
+# costs more than it adds to every run of the suite).
+LAYOUTS_4 = {"ddp4": ["parallel.dp_replicate=4"], "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+             "tp2_fsdp2": ["parallel.tp=2", "parallel.dp_shard=2"], "tp2_ddp2": ["parallel.tp=2", "parallel.dp_replicate=2"]}
 
 
 def build(overrides: list[str], dims: ParallelDims | None = None, ns_dtype: torch.dtype = torch.float32):
@@ -60,10 +66,11 @@ def batch(step: int, vocab: int, block: int) -> tuple[torch.Tensor, torch.Tensor
     return t[:, :-1], t[:, 1:]
 
 
-def run_steps(cfg, model, opt, dp_rank: int = 0, dp_size: int = 1) -> list[float]:
+def run_steps(cfg, model, opt, dims: ParallelDims | None = None) -> list[float]:
     """STEPS optimizer steps on the same global batches whatever the layout; the lr is set
     on every group, as the Trainer's schedule does."""
     losses = []
+    dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
     per = BATCH // dp_size
     for step in range(STEPS):
         x, y = batch(step, cfg.model.vocab_size, cfg.model.block_size)
@@ -77,7 +84,7 @@ def run_steps(cfg, model, opt, dp_rank: int = 0, dp_size: int = 1) -> list[float
         loss = loss.detach()
         if dp_size > 1:  # the mean over the global batch, as one process computes it
             import torch.distributed as dist
-            dist.all_reduce(loss)
+            dist.all_reduce(loss, group=dims.dp_mesh.get_group())
             loss = loss / dp_size
         losses.append(float(loss))
     return losses
@@ -99,13 +106,18 @@ def main(out: str) -> None:
     import torch.distributed as dist
     from distlm.train.checkpoint import save_checkpoint
     out_dir = Path(out)
-    jobs = [(name, extra, torch.float32) for name, extra in LAYOUTS.items()]
-    jobs.append(("ddp2_bf16", LAYOUTS["ddp2"], torch.bfloat16))  # the default Newton-Schulz precision
+    if not dist.is_initialized():  # the world size chooses the jobs; init_distributed then reuses the group
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if dist.get_world_size() == 4:
+        jobs = [(name, extra, torch.float32) for name, extra in LAYOUTS_4.items()]
+    else:
+        jobs = [(name, extra, torch.float32) for name, extra in LAYOUTS.items()]
+        jobs.append(("ddp2_bf16", LAYOUTS["ddp2"], torch.bfloat16))  # the default Newton-Schulz precision
     for name, extra, ns_dtype in jobs:
         cfg = load_config(None, MODEL + extra)
         dims = init_distributed(cfg.parallel, "cpu")
         cfg, model, gpt, opt = build(extra, dims, ns_dtype)
-        losses = run_steps(cfg, model, opt, dims.dp_rank, dims.dp_size)
+        losses = run_steps(cfg, model, opt, dims)
         snap = snapshot(gpt, opt)
         counts = [None] * dist.get_world_size()
         dist.all_gather_object(counts, opt.last_orthogonalised)

@@ -46,7 +46,9 @@ MARKER = "distlm.json"
 # sha256 1218 MB/s, blake2b 714 MB/s, zlib.crc32 2884 MB/s, plain read 7882 MB/s.
 # sha256: a cryptographic hash at 40% of crc32's speed, and `sha256sum` checks a checkpoint
 # by hand. Files hash in parallel threads (hashlib releases the GIL), and at save each rank
-# hashes the files it wrote itself.
+# hashes the files it wrote itself. End to end on that box, a 371 MB checkpoint (29M params
+# + AdamW, page cache): save 0.52 s -> 0.96 s, load 0.44 s -> 0.83 s with verification,
+# 0.37 s when this process saved or verified it already (see _VERIFIED).
 HASH = "sha256"
 _CHUNK = 4 << 20
 # DCP warns on every single-process save/load; one process is a supported layout here.

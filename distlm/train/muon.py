@@ -248,8 +248,9 @@ class Muon(torch.optim.Optimizer):
                 rows, cols = p.shape[0] // split, p.shape[1]
                 work.append((p, m, lr * update_scale(rows, cols), split, group["ns_steps"]))
         done = 0
+        cursor: dict = {}  # per mesh: the stack slot where the next matrix goes
         for key, items in self._buckets(work).items():
-            done += self._orthogonalise_and_apply(*key, items)
+            done += self._orthogonalise_and_apply(*key, items, cursor)
         self.last_orthogonalised = done
 
     def _buckets(self, work: list) -> dict:
@@ -282,7 +283,8 @@ class Muon(torch.optim.Optimizer):
         out = newton_schulz(stack.reshape(n * split, rows // split, cols), steps, self.ns_dtype)
         return out.reshape(n, rows, cols)
 
-    def _orthogonalise_and_apply(self, mesh, placements, shape, split: int, steps: int, items: list) -> int:
+    def _orthogonalise_and_apply(self, mesh, placements, shape, split: int, steps: int, items: list,
+                                 cursor: dict) -> int:
         """Returns how many matrices this rank orthogonalised."""
         if mesh is None:
             # Nothing to share with: orthogonalise every matrix here, as one batch.
@@ -295,31 +297,37 @@ class Muon(torch.optim.Optimizer):
         src_pl = _shift(placements) if placements is not None else (Replicate(),)
         whole = (Shard(0),) * mesh.ndim  # nested over every mesh dim: one matrix per rank
         n = mesh.size()
+        gshape = (n, *shape)
+        stride = _contiguous_stride(gshape)
         me = self._flat_coordinate(mesh)
         done = 0
         for start in range(0, len(items), n):
             chunk = items[start:start + n]
-            local = [m.to(self.ns_dtype) for _, m, _ in chunk]
-            # The last round of a bucket may have fewer matrices than ranks: pad with zeros
-            # (their owners skip the work).
-            local += [torch.zeros_like(local[0])] * (n - len(chunk))
+            # Slot r of the stack goes to rank r. A bucket's last round may hold fewer
+            # matrices than ranks: the rest of the slots are zeros, skipped by their owners.
+            # The filled slots start where the previous round on this mesh stopped, so those
+            # partial rounds do not all land on the first ranks.
+            first = cursor.get(mesh, 0)
+            slots = [(first + j) % n for j in range(len(chunk))]
+            cursor[mesh] = (first + len(chunk)) % n
+            moms = [m.to(self.ns_dtype) for _, m, _ in chunk]
+            local = [torch.zeros_like(moms[0])] * n
+            for slot, m in zip(slots, moms):
+                local[slot] = m
             stacked = torch.stack(local)
-            gshape = (n, *shape)
             device = stacked.device
             if device.type != mesh.device_type:  # FSDP2 CPU offload: shards in host memory
                 stacked = stacked.to(torch.device(mesh.device_type, torch.cuda.current_device())
                                      if mesh.device_type == "cuda" else torch.device(mesh.device_type))
-            dt = DTensor.from_local(stacked, mesh, src_pl, run_check=False, shape=gshape,
-                                    stride=_contiguous_stride(gshape))
+            dt = DTensor.from_local(stacked, mesh, src_pl, run_check=False, shape=gshape, stride=stride)
             mine = dt.redistribute(mesh, whole).to_local()  # (1, *shape): one whole matrix
-            if me < len(chunk):
+            if me in slots:
                 mine = self._orthogonalise(mine, split, steps)
                 done += 1
             back = DTensor.from_local(mine, mesh, whole, run_check=False, shape=gshape,
-                                      stride=_contiguous_stride(gshape)).redistribute(mesh, src_pl).to_local()
-            back = back.to(device)
-            for (p, _, step_size), o in zip(chunk, back):
-                _local(p).add_(o, alpha=-step_size)
+                                      stride=stride).redistribute(mesh, src_pl).to_local().to(device)
+            for (p, _, step_size), slot in zip(chunk, slots):
+                _local(p).add_(back[slot], alpha=-step_size)
         return done
 
     @staticmethod
