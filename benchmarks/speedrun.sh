@@ -5,7 +5,7 @@
 #   CORPUS=../shared/data/corpus bash benchmarks/speedrun.sh [RUN ...]
 #
 # RUNs (default: "baseline speedrun"): baseline, speedrun, or speedrun-NAME for an ablation
-# listed in ABLATIONS below. The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
+# listed in ABLATIONS below; NAME@ddpN or NAME@fsdpN runs it on N GPUs (torchrun). The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
 # tokens) is laid out and prepared here, on the machine that runs it: GCIDE is GPL and is never
 # vendored. Validation is over the whole val split (train.eval_batches=0) in every run.
 # Results: $OUT/speedrun-table.md, the two plots, and each run's metrics.csv and log.
@@ -46,15 +46,25 @@ COMMON=(data.dir="$DATA" train.eval_batches=0 train.checkpoint_every=0 log.root=
 specs=()
 for run in "${@:-baseline speedrun}"; do
   for name in $run; do
-    case $name in
+    # NAME@ddpN / NAME@fsdpN: the same recipe on N GPUs of this machine (the global batch stays).
+    recipe=${name%@*}; layout=${name#"$recipe"}; launcher=($PY -m distlm); par=()
+    case $layout in
+      @ddp*) n=${layout#@ddp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
+             par=(parallel.dp_replicate="$n") ;;
+      @fsdp*) n=${layout#@fsdp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
+              par=(parallel.dp_shard="$n" train.compile_scope=block) ;;
+    esac
+    # Each run compiles from a cold cache unless WARM=1: the timings then include compilation.
+    [ "${WARM:-0}" = 1 ] || export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$name-$RANDOM"
+    case $recipe in
       baseline) args=("${BASELINE[@]}") ;;
       speedrun) args=("${SPEEDRUN[@]}" $EXTRA) ;;
-      speedrun-*) args=("${SPEEDRUN[@]}" $EXTRA ${ABLATIONS[${name#speedrun-}]}) ;;
+      speedrun-*) args=("${SPEEDRUN[@]}" $EXTRA ${ABLATIONS[${recipe#speedrun-}]}) ;;
       *) echo "unknown run $name" >&2; exit 2 ;;
     esac
     rm -rf "$WORK/runs/$name"
     launch=$(date +%s.%N)
-    $PY -m distlm train "${args[@]}" "${COMMON[@]}" log.name="$name" > "$OUT/$name.log" 2>&1
+    "${launcher[@]}" train "${args[@]}" "${par[@]}" "${COMMON[@]}" log.name="$name" > "$OUT/$name.log" 2>&1
     rc=$?
     echo "[$name] rc $rc in $($PY -c "import time; print(round(time.time() - $launch, 1))") s: $(grep -E '^done|error' "$OUT/$name.log" | tail -1)"
     cp "$WORK/runs/$name/metrics.csv" "$OUT/$name-metrics.csv" 2>/dev/null
