@@ -50,9 +50,9 @@ for run in "${@:-baseline speedrun}"; do
     recipe=${name%@*}; layout=${name#"$recipe"}; launcher=($PY -m distlm); par=()
     case $layout in
       @ddp*) n=${layout#@ddp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
-             par=(parallel.dp_replicate="$n") ;;
+             par=(parallel.dp_replicate="$n" train.micro_batch_size=$((32 / n))) ;;
       @fsdp*) n=${layout#@fsdp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
-              par=(parallel.dp_shard="$n" train.compile_scope=block) ;;
+              par=(parallel.dp_shard="$n" train.micro_batch_size=$((32 / n)) train.compile_scope=block) ;;
     esac
     # Each run compiles from a cold cache unless WARM=1: the timings then include compilation.
     [ "${WARM:-0}" = 1 ] || export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$name-$RANDOM"
@@ -69,8 +69,9 @@ for run in "${@:-baseline speedrun}"; do
     echo "[$name] rc $rc in $($PY -c "import time; print(round(time.time() - $launch, 1))") s: $(grep -E '^done|error' "$OUT/$name.log" | tail -1)"
     cp "$WORK/runs/$name/metrics.csv" "$OUT/$name-metrics.csv" 2>/dev/null
     specs+=("$WORK/runs/$name=$launch")
+    echo "$name $launch" >> "$OUT/launch-times.txt"  # the report can be rebuilt from the CSVs with these
   done
 done
-$PY benchmarks/speedrun_report.py "$OUT" "${specs[@]}"
+$PY benchmarks/speedrun_report.py "$OUT" "${specs[@]}" || echo "report failed: rebuild it from runs.tgz"
 # The device returns at most 8 files: the logs and CSVs travel as one archive.
-tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *-metrics.csv 2>/dev/null) && (cd "$OUT" && rm -f *.log *-metrics.csv)
+tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *-metrics.csv launch-times.txt 2>/dev/null) && (cd "$OUT" && rm -f *.log *-metrics.csv)

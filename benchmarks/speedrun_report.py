@@ -35,6 +35,9 @@ def main(argv: list[str]) -> int:
     runs = []
     for spec in argv[1:]:
         path, _, launch = spec.partition("=")
+        if not (Path(path) / "metrics.csv").is_file():
+            print(f"{path}: no metrics.csv (the run failed; see its log)")
+            continue
         runs.append(read_run(Path(path), float(launch)))
     base = next((r for r in runs if r["name"] == "baseline"), runs[0])
     # TARGET (env): a loss measured in another call (the baseline's), for runs without one here.
