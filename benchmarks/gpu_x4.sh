@@ -48,7 +48,7 @@ if want 1; then
   t=$(cap 120); echo "== 1b four independent processes ($t s)" | tee -a "$R/timeline.txt"
   for i in $(seq 0 $((NP - 1))); do
     CUDA_VISIBLE_DEVICES=$i timeout -k 5 "$t" "$PY" "${B[@]}" "${M124[@]}" train.global_batch_size=64 "${X[@]}" \
-      log.name=indep$i --warmup 5 --steps 10 --json "$R/1b-indep$i.json" --no-results > "$R/1b-indep$i.log" 2>&1 &
+      log.name=indep$i --warmup 5 --steps 10 --json "$R/1b-indep$i.json" > "$R/1b-indep$i.log" 2>&1 &
   done
   wait $(jobs -p | grep -v "^$SMI$") 2>/dev/null
   show "$R"/1b-indep*.log; pack

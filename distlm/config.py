@@ -384,7 +384,7 @@ def validate(cfg: Config) -> None:
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size} x data-parallel degree {dp}")
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel degree {dp}{_batch_hint(t, dp)}")
     if cfg.data.mix and (cfg.data.dir or cfg.data.source == "synthetic"):
         raise ConfigError("data.mix trains on its own folders: leave data.dir unset and data.source=tokens")
     if t.min_lr > t.lr:
@@ -392,6 +392,18 @@ def validate(cfg: Config) -> None:
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
     _validate_task(cfg)
+
+
+def _batch_hint(t: "TrainConfig", dp: int) -> str:
+    """What would work: the largest micro-batch that splits the local batch, or the global
+    batch rounded up to a whole number of micro-batches on every rank."""
+    fixes = []
+    if t.global_batch_size % dp == 0:
+        local = t.global_batch_size // dp
+        fixes.append(f"train.micro_batch_size={max(m for m in range(1, min(local, t.micro_batch_size) + 1) if local % m == 0)}")
+    step = t.micro_batch_size * dp
+    fixes.append(f"train.global_batch_size={-(-t.global_batch_size // step) * step}")
+    return "; use " + " or ".join(fixes)
 
 
 def _at_least(lo):
@@ -418,7 +430,9 @@ _RANGES = {
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
     "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
     "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
-    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0),
+    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0),
+    "train.muon_momentum": _in_unit(False), "train.muon_ns_steps": _at_least(1),
+    "train.muon_weight_decay": _at_least(0),
 }
 
 

@@ -102,7 +102,7 @@ def last_console_step(log: Path) -> int:
 
 
 def checkpoints(run_dir: Path) -> tuple[list[Path], list[Path]]:
-    from distlm.train.checkpoint import list_checkpoints
+    from distlm.checkpoint import list_checkpoints
     return list_checkpoints(Path(run_dir) / "checkpoints")
 
 
@@ -128,7 +128,7 @@ def load_into_fresh(ckpt: Path, overrides: list[str] = CLI_TINY) -> dict:
     """Load a checkpoint (model + optimizer + RNG) into a fresh model; the caller's RNG
     state is put back afterwards. Returns the checkpoint's distlm.json."""
     import torch
-    from distlm.train.checkpoint import load_checkpoint
+    from distlm.checkpoint import load_checkpoint
     rng = torch.get_rng_state()
     try:
         model, opt = fresh_model_and_optimizer(overrides)

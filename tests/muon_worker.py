@@ -104,7 +104,7 @@ def snapshot(gpt, opt) -> dict:
 
 def main(out: str) -> None:
     import torch.distributed as dist
-    from distlm.train.checkpoint import save_checkpoint
+    from distlm.checkpoint import save_checkpoint
     out_dir = Path(out)
     if not dist.is_initialized():  # the world size chooses the jobs; init_distributed then reuses the group
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

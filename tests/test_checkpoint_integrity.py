@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from distlm.train import checkpoint as ckpt
-from distlm.train.errors import CheckpointError, CheckpointSaveError, CorruptCheckpoint, NonFiniteCheckpoint
+from distlm.checkpoint import store as ckpt
+from distlm.checkpoint.errors import CheckpointError, CheckpointSaveError, CorruptCheckpoint, NonFiniteCheckpoint
 from test_checkpoint_safety import fresh_model, marker_meta, rehash, save, tiny_model
 
 INLINE_CONTAINER = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"

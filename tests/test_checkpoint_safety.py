@@ -21,8 +21,8 @@ import torch
 
 from distlm.config import load_config
 from distlm.model.gpt import GPT
-from distlm.train import checkpoint as ckpt
-from distlm.train.errors import CheckpointError, CorruptCheckpoint
+from distlm.checkpoint import store as ckpt
+from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
@@ -229,7 +229,7 @@ def test_real_checkpoint_still_loads_exactly(base):
 
 
 def test_allowed_globals_are_exact_pairs_without_dots():
-    from distlm.train.safe_dcp import ALLOWED_GLOBALS
+    from distlm.checkpoint.safe_dcp import ALLOWED_GLOBALS
     assert all("." not in name for _, name in ALLOWED_GLOBALS)
     assert ("torch", "float32") in ALLOWED_GLOBALS and ("torch", "float") not in ALLOWED_GLOBALS
     assert not any(m == "builtins" for m, _ in ALLOWED_GLOBALS)

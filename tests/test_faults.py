@@ -33,7 +33,7 @@ import torch
 
 import fault_harness as fh
 from distlm.config import load_config
-from distlm.train import checkpoint as ckpt
+from distlm.checkpoint import store as ckpt
 from distlm.train.trainer import Trainer, TrainingStopped
 
 KILL_SEED = 1234

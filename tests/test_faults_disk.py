@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 import fault_harness as fh
-from distlm.train import checkpoint as ckpt
+from distlm.checkpoint import store as ckpt
 from distlm.train.trainer import TrainingStopped
 from test_faults import make_trainer, names
 
 
 # ---- 4. disk faults ------------------------------------------------------------------
 def fail_saves(monkeypatch, fail_on: set[int]) -> list[int]:
-    """dcp.save (as distlm.train.checkpoint calls it) raises ENOSPC on the given calls."""
+    """dcp.save (as distlm.checkpoint calls it) raises ENOSPC on the given calls."""
     real, calls = ckpt.dcp.save, []
 
     def save(*a, **k):

@@ -105,7 +105,7 @@ def test_metadata_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
     pwned = tmp_path / "pwned"
     import pickle
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil(pwned)))
-    from distlm.train.checkpoint import CheckpointError
+    from distlm.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match="unreadable checkpoint metadata"):
         fh.load_into_fresh(bad)
     assert not pwned.exists(), "loading the checkpoint ran code from its .metadata"
@@ -124,7 +124,7 @@ def test_byte_entry_that_runs_code_is_refused(one_checkpoint, tmp_path):
     for p in [*bad.glob("*.distcp"), bad / ".metadata"]:
         p.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(bad))
-    from distlm.train.checkpoint import CheckpointError
+    from distlm.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match="cannot load this checkpoint"):
         fh.load_into_fresh(bad)
     assert not pwned.exists(), "loading the checkpoint ran code from an optimizer entry"

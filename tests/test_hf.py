@@ -13,7 +13,7 @@ from distlm.interop import (ExportError, InteropError, apply_hf_model_config, ex
 from distlm.interop.hf import hf_architecture  # noqa: E402
 from distlm.model.generate import SamplingConfig, generate_tokens  # noqa: E402
 from distlm.model.gpt import GPT  # noqa: E402
-from distlm.train.checkpoint import save_checkpoint  # noqa: E402
+from distlm.checkpoint import save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TOL = 1e-4

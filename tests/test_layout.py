@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # Lower layers never import higher ones (function-local imports included: a lazy import
 # that goes upward is still a dependency).
 LAYERS = [
-    ("distlm.io", "distlm.config", "distlm.data"),
+    ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint"),
     ("distlm.model",),
     ("distlm.parallel",),
     ("distlm.tasks", "distlm.train", "distlm.interop"),

@@ -258,7 +258,7 @@ def _train_tiny(model, opt, steps, start=0):
 def test_muon_state_round_trips_bit_exactly(tmp_path):
     """Save after 2 steps, load into a fresh model and optimizer: same momentum buffers
     and AdamW moments, bit for bit, and the next step gives the same weights."""
-    from distlm.train.checkpoint import load_checkpoint, save_checkpoint
+    from distlm.checkpoint import load_checkpoint, save_checkpoint
     rng = torch.get_rng_state()
     # untied: both AdamW groups exist (decay holds the head)
     cfg = load_config(None, TINY + ["train.optimizer=muon", "train.lr=1e-3", "model.tie_embeddings=false"])
@@ -377,7 +377,7 @@ def test_fsdp2_checkpoint_loads_in_one_process(launch, reference):
     """Saved sharded on 2 ranks, loaded into one plain process: the momentum buffers (and
     weights) are the full tensors the ranks held, bit for bit."""
     from muon_worker import build
-    from distlm.train.checkpoint import load_checkpoint
+    from distlm.checkpoint import load_checkpoint
     rng = torch.get_rng_state()
     cfg, model, gpt, opt = build([], None)
     load_checkpoint(launch / "ckpt_fsdp2" / "step_0000003", model, opt)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from distlm.train.checkpoint import atomic_write_text
+from distlm.io import atomic_write_text
 
 # First match wins. Kernel names differ by library and torch version, hence the patterns:
 # cuBLAS/CUTLASS gemms (sm90_xmma, nvjet, cutlass), cuDNN/flash attention, NCCL, the

@@ -39,7 +39,7 @@ from distlm.data import DataError
 from distlm.demo import demo
 from distlm.interop.hf import export
 from distlm.tasks.classify.cli import predict
-from distlm.train.errors import CheckpointError
+from distlm.checkpoint.errors import CheckpointError
 from distlm.train.faults import TrainingStopped
 
 VERBS: dict[str, Callable[..., int]] = {

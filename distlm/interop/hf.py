@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 import torch
 
 from distlm.config import ConfigError, ModelConfig
+from distlm.io import atomic_write_dir
 
 EOT = "<|endoftext|>"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -205,29 +206,27 @@ def export_hf(run_or_ckpt, out_dir, *, dtype: str = "fp32", overwrite: bool = Fa
     tensors = hf_state_dict(model, arch, dtype)
     del model
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes its file 0600 whatever the umask: give it the mode of the other
+        # files, so a server running as another user can read the model it can read the config of.
+        (tmp / "model.safetensors").chmod(0o666 & ~_umask())
         (tmp / "config.json").write_text(json.dumps(hf_config(arch, cfg.model, tok.eos_id, dtype), indent=2) + "\n")
         gen = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "_from_model_config": True}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         _write_tokenizer(tok, tmp, cfg.model)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_dir(out, fill)
     names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
     return {"out": str(out), "checkpoint": str(folder), "architecture": names[arch], "tokenizer": tok.name,
             "dtype": dtype, "tensors": len(tensors)}
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def export(
@@ -245,13 +244,6 @@ def export(
     for rope + rmsnorm + swiglu; other combinations are refused, never exported approximately.
     """
     s = export_hf(checkpoint, out, dtype=dtype, overwrite=force)
-    # safetensors writes its file 0600 whatever the umask: give it the mode of the other files,
-    # so that a server running as another user can read the model it can read the config of.
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in Path(s["out"]).iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~mask)
     print(f"exported {s['checkpoint']} as {s['architecture']} ({s['dtype']}, tokenizer {s['tokenizer']}) "
           f"to {s['out']}")
     return 0

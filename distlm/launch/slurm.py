@@ -148,7 +148,7 @@ def write_slurm_meta(run_dir: Path, env: Mapping[str, str]) -> Path:
 
 def run_finished(run_dir: Path) -> bool:
     """True when the newest complete checkpoint has reached its config's train.max_steps."""
-    from distlm.train.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+    from distlm.checkpoint import CheckpointError, read_meta, resolve_checkpoint
     try:
         meta = read_meta(resolve_checkpoint(run_dir))
     except CheckpointError:

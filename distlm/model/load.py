@@ -28,7 +28,7 @@ class Loaded:
 
 def checkpoint_task(path: str | Path) -> str:
     """The task a checkpoint was trained for ("lm" for runs older than the task section)."""
-    from distlm.train import checkpoint as ckpt
+    from distlm.checkpoint import store as ckpt
     meta = ckpt.read_meta(ckpt.resolve_checkpoint(path))
     return (meta.get("config", {}).get("task") or {}).get("name", "lm")
 
@@ -42,7 +42,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn
 def load_trained(path: str | Path, device: torch.device | str = "cpu", task: Optional[str] = None) -> Loaded:
     """RUN_OR_CKPT -> the model in eval mode. ``task`` ("lm" or "classify"), when given, is
     what the caller can use: another kind of checkpoint is refused with a one-line error."""
-    from distlm.train import checkpoint as ckpt
+    from distlm.checkpoint import store as ckpt
     folder = ckpt.resolve_checkpoint(path)
     cfg = config_from_dict(ckpt.read_meta(folder)["config"])
     if task is not None and cfg.task.name != task:

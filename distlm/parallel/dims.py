@@ -33,7 +33,9 @@ class ParallelDims:
         if product != self.world_size:
             raise ConfigError(
                 f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                f"x pp={self.pp} = {product}, but the world size is {self.world_size}")
+                f"x pp={self.pp} = {product}, but the world size is {self.world_size}"
+                + (f"; add parallel.dp_replicate={self.world_size} (DDP) or parallel.dp_shard={self.world_size} "
+                   f"(FSDP2)" if product == 1 else ""))
 
     @property
     def dp_size(self) -> int:

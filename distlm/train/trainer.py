@@ -24,7 +24,7 @@ from distlm.io import atomic_write_text
 from distlm.model.gpt import flops_per_token
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
-from distlm.train import checkpoint as ckpt
+from distlm.checkpoint import store as ckpt
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
                                  stop_reason)
 from distlm.train.logger import RunLogger, console_line
@@ -87,14 +87,15 @@ class Trainer:
         return run_dir
 
     def _maybe_resume(self) -> Optional[Path]:
-        path = ckpt.resume_target(self.cfg.train.resume, self.run_dir,
-                                  say=print if self.dims.is_main else lambda msg: None)
+        # With resume=auto a damaged or non-finite newest checkpoint is skipped, with a message,
+        # for the newest one that verifies and loads.
+        path, meta = ckpt.resume_and_load(self.cfg.train.resume, self.run_dir, self.model, self.optimizer,
+                                          say=print if self.dims.is_main else lambda msg: None)
         if path is None:
             return None
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.load_state_dict(meta["trainer"])
         if self.dims.is_main:
-            print(f"resumed from {path} (step {self.step}, newest complete checkpoint)")
+            print(f"resumed from {path} (step {self.step}, the newest checkpoint that verifies)")
         return path
 
     def _write_run_files(self) -> None:
@@ -199,9 +200,9 @@ class Trainer:
         self._prune()
         return saved
 
-    def _save_failed(self, step: int, e: Exception) -> None:
+    def _save_failed(self, step: int, e: ckpt.CheckpointSaveError) -> None:
         complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
-        msg = (f"cannot write checkpoint step_{step:07d} in {self.run_dir / 'checkpoints'}: {e}; "
+        msg = (f"cannot write checkpoint step_{step:07d} in {self.run_dir / 'checkpoints'}: {e.cause}; "
                f"{'the previous checkpoint ' + str(complete[-1]) + ' is intact' if complete else 'no earlier checkpoint'}")
         if self.cfg.train.on_save_error == "stop":
             raise TrainingStopped(msg + " (train.on_save_error=stop)") from None

@@ -25,7 +25,7 @@ from distlm.tasks.classify.loader import ClassifyLoader, eval_batches
 from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
 from distlm.model.classifier import Classifier, classify_loss
 from distlm.tasks.base import Resolved
-from distlm.train import checkpoint as ckpt
+from distlm.checkpoint import store as ckpt
 
 METRIC_COLUMNS = ["step", "val_loss", "accuracy", "macro_f1", "examples"]
 

@@ -37,9 +37,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
 
-from distlm.train.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
-                                 NonFiniteCheckpoint)
-from distlm.train.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
+from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
+                                      NonFiniteCheckpoint)
+from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
+from distlm.io import atomic_write_text
 
 MARKER = "distlm.json"
 # One core, a 500 MB file in the page cache, this project's 2-core CPU box (with SHA-NI):
@@ -100,15 +101,6 @@ def _agree(error: Optional[BaseException], what: str) -> None:
 
 
 # ---- files -------------------------------------------------------------------------------
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.serialization import _get_layout
 
-from distlm.train.errors import CheckpointError, CorruptCheckpoint
+from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint
 
 
 def _dtype_names() -> dict[str, torch.dtype]:
