@@ -184,3 +184,19 @@ def test_kill_9_of_prepare_takes_its_tokenizer_workers_with_it(tmp_path):
     for p in survivors:  # don't leave them running on a failure
         os.kill(p, signal.SIGKILL)
     assert not survivors, f"tokenizer workers {survivors} outlived their parent"
+
+
+def test_eval_on_data_from_another_tokenizer_is_refused(tmp_path, tiny_data, text_dir, capsys):
+    """A smaller vocabulary fits the model, so only the tokenizer's fingerprint tells them apart."""
+    from distlm.cli import main
+    from distlm.data.prepare import prepare
+    other = tmp_path / "bpe"
+    prepare([str(text_dir)], other, tokenizer="bpe:300", val_fraction=0.2, seed=0, workers=1, progress=False)
+    assert main(["train", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64",
+                 "model.block_size=16", f"data.dir={tiny_data}", "train.max_steps=1", "log.progress=false",
+                 "log.tensorboard=false", f"log.root={tmp_path}", "log.name=g"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "g"), "--data", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prepared with tokenizer bpe:300" in err[0] and "trained with gpt2" in err[0], err
+    assert main(["eval", "--checkpoint", str(tmp_path / "g"), "--data", str(tiny_data)]) == 0

@@ -92,7 +92,8 @@ def evaluate(
     checkpoint: str,
     data: Annotated[Optional[str], "data folder (default: the one the run trained on)"] = None,
     split: Literal["val", "train"] = "val",
-    batches: Annotated[int, "language model: micro-batches to average over; 0 = the whole split"] = 50,
+    batches: Annotated[int, "language model: micro-batches to average over, spread across the split; "
+                            "0 = the whole split"] = 0,
     device: Device = "auto",
     json: Annotated[bool, "print one JSON object"] = False,
 ) -> int:
@@ -117,6 +118,15 @@ def evaluate(
     cfg = loaded.cfg
     data_dir = Path(data or cfg.data.dir or "")
     manifest = load_manifest(data_dir)
+    # Token ids mean nothing under another tokenizer, even one of the same size: compare the
+    # fingerprint the run saved with the data's.
+    from distlm.data import same_tokenizer
+    from distlm.model.load import run_tokenizer_record
+    trained_on = run_tokenizer_record(loaded.folder)
+    if trained_on and not same_tokenizer(trained_on, manifest["tokenizer"]):
+        raise ConfigError(f"{data_dir}: prepared with tokenizer {manifest['tokenizer']['name']} "
+                          f"(fingerprint {str(manifest['tokenizer'].get('fingerprint'))[:12]}), but {loaded.folder} "
+                          f"was trained with {trained_on['name']} (fingerprint {str(trained_on.get('fingerprint'))[:12]})")
     if int(manifest["tokenizer"]["vocab_size"]) > cfg.model.vocab_size:
         raise ConfigError(f"{data_dir}: vocabulary {manifest['tokenizer']['vocab_size']} does not fit the model's "
                           f"{cfg.model.vocab_size} (data and checkpoint use different tokenizers)")
