@@ -463,15 +463,20 @@ def _validate_task(cfg: Config) -> None:
     if cfg.parallel.engine != "torch":
         raise ConfigError(f"task.name=classify runs on parallel.engine=torch, not {cfg.parallel.engine}")
     # The classifier runs the trunk's blocks itself, without the token-id-driven extras.
-    m = cfg.model
-    extras = [f"model.{k}={getattr(m, k)}" for k, off in (("value_embeds", 0), ("skip_connections", False),
-                                                           ("attn_mask", "causal"), ("attn_window", 0))
-              if getattr(m, k) != off]
+    extras = token_id_extras(cfg.model)
     if extras:
         raise ConfigError(f"task.name=classify does not support {', '.join(extras)}: the classifier's trunk runs "
                           f"plain blocks")
     if task.init_from is not None and not Path(task.init_from).exists():
         raise ConfigError(f"task.init_from: no such run or checkpoint: {task.init_from}")
+
+
+def token_id_extras(m: ModelConfig) -> list[str]:
+    """The model options that need more than the residual stream inside the blocks (the token
+    ids, or earlier blocks' outputs), as "model.key=value", for the places that cannot give it."""
+    return [f"model.{k}={getattr(m, k)}" for k, off in (("value_embeds", 0), ("skip_connections", False),
+                                                         ("attn_mask", "causal"), ("attn_window", 0))
+            if getattr(m, k) != off]
 
 
 def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
@@ -491,9 +496,7 @@ def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
         # A pipeline stage receives only the residual stream: not the token ids that document
         # masks and value embeddings are computed from, nor the first half's outputs that
         # U-net skips add, nor a window mask (the stages call the blocks directly).
-        crossing = [f"model.{k}={getattr(m, k)}" for k, off in (("value_embeds", 0), ("skip_connections", False),
-                                                                 ("attn_mask", "causal"), ("attn_window", 0))
-                    if getattr(m, k) != off]
+        crossing = token_id_extras(m)
         if crossing:
             raise ConfigError(f"parallel.pp={p.pp} does not support {', '.join(crossing)}: they need the token ids "
                               f"or earlier blocks' outputs inside every stage; use data or tensor parallelism")
