@@ -41,7 +41,7 @@ declare -A ABLATIONS=(
 )
 EXTRA=${EXTRA:-}
 COMMON=(data.dir="$DATA" train.eval_batches=0 train.checkpoint_every=0 log.root="$WORK/runs" log.progress=false
-        log.tensorboard=false)
+        log.tensorboard=false log.samples=0)
 
 specs=()
 for run in "${@:-baseline speedrun}"; do

@@ -162,13 +162,17 @@ class ParallelConfig:
 class LogConfig:
     root: str = doc("runs", "run directories live under this folder")
     name: Optional[str] = doc(None, "run name; default: a timestamp")
-    every: int = doc(10, "steps between console/CSV/TensorBoard rows")
+    every: int = doc(10, "steps between console/CSV/TensorBoard rows; a short run logs more often, every "
+                         "max(1, min(log.every, train.max_steps // 20)) steps, so it still gets about 20 "
+                         "points")
     tensorboard: bool = True
     wandb: bool = doc(False, "log to Weights & Biases when it is installed")
     wandb_project: str = "distlm"
     progress: bool = doc(True, "show a progress bar")
     peak_tflops: float = doc(0.0, "override the device's peak bf16 TFLOP/s for MFU (0 = look it up)")
-    samples: int = doc(3, "text samples generated at the end of training")
+    samples: int = doc(3, "language model: text samples from log.sample_prompt at each evaluation and at the "
+                          "end (console, TensorBoard text, RUN/samples.txt); sample i uses seed i; 0 = none")
+    sample_prompt: str = doc("It was a dark and stormy night", "the prompt log.samples continue")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ def demo(
     prepare([str(DEFAULT_CORPUS)], data_dir, tokenizer=tokenizer, val_fraction=0.05, seed=0)
 
     name = time.strftime("demo-%Y%m%d-%H%M%S")
-    overrides = [f"data.dir={data_dir}", f"log.root={root}", f"log.name={name}"]
+    # log.samples=0: step 4 below prints samples of three prompts itself.
+    overrides = [f"data.dir={data_dir}", f"log.root={root}", f"log.name={name}", "log.samples=0"]
     overrides += CUDA_OVERRIDES if cuda else CPU_OVERRIDES
     if max_steps:
         overrides.append(f"train.max_steps={max_steps}")

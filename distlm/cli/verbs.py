@@ -18,7 +18,7 @@ Device = Literal["auto", "cpu", "cuda"]
 
 def prepare(
     inputs: Annotated[Sequence[str], "files, folders or globs: .txt, .jsonl, .parquet, HF save_to_disk folders, "
-                                     ".gz, .tar, or nanoGPT/llm.c train.bin+val.bin"],
+                                     ".gz, .tar, or nanoGPT/llm.c train.bin+val.bin"] = (),
     /, *,
     out: Annotated[str, "output folder"],
     tokenizer: Annotated[str, "gpt2, or bpe:N to train an N-token byte-level BPE on the inputs"] = "gpt2",
@@ -33,13 +33,29 @@ def prepare(
     max_len: Annotated[int, "classify: tokens kept per text (truncate, then pad)"] = 128,
     val_input: Annotated[Optional[str], "classify: a file with the held-out rows"] = None,
     split_field: Annotated[str, "classify: a column saying train or val/test, used when the data has it"] = "split",
+    shard: Annotated[Optional[str], "I/N: prepare only part I (0..N-1) of the inputs, for --merge"] = None,
+    merge: Annotated[Sequence[str], "PART_DIR...: join the parts made with --shard I/N into --out"] = (),
 ) -> int:
     """Tokenize text into token shards and a manifest.
 
     INPUTs become uint16/uint32 shards (train_*.bin, val_*.bin) and manifest.json, split per
-    document by a hash and --seed. A re-run with the same inputs and options is a no-op.
+    document by a hash and --seed. A re-run with the same inputs and options is a no-op; a
+    killed run resumes from the input files it had finished.
+    --shard I/N on N machines, then --merge PART_DIR... --out DIR, gives the same folder as one run.
     --task classify reads labelled rows (csv, tsv, jsonl, parquet) instead.
     """
+    from distlm.data import DataError
+    if merge and (inputs or shard or task != "lm"):
+        raise DataError("--merge takes only the part folders and --out: no INPUT, --shard or --task")
+    if merge:
+        from distlm.data.prepare import merge as merge_parts
+        m = merge_parts(list(merge), Path(out), progress=not quiet)
+        splits = m["splits"]
+        print(f"merged {len(merge)} parts into {out}: train {splits['train']['tokens']:,} tokens, "
+              f"val {splits['val']['tokens']:,} tokens")
+        return 0
+    if task == "classify" and shard:
+        raise DataError("--shard applies to --task lm")
     if task == "classify":
         from distlm.tasks.classify.data import prepare_classify
         prepare_classify(list(inputs), Path(out), text_field=text_field, label_field=label_field, max_len=max_len,
@@ -48,9 +64,10 @@ def prepare(
         return 0
     from distlm.data.prepare import prepare as prepare_tokens
     m = prepare_tokens(list(inputs), Path(out), tokenizer=tokenizer, val_fraction=val_fraction, seed=seed,
-                       workers=workers, separator=separator, text_field=text_field, progress=not quiet)
+                       workers=workers, separator=separator, text_field=text_field, progress=not quiet, shard=shard)
     splits = m["splits"]
-    print(f"prepared {out}: train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens, "
+    part = f" (part {shard}; join the parts with --merge)" if shard else ""
+    print(f"prepared {out}{part}: train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens, "
           f"tokenizer {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']})")
     return 0
 
@@ -83,7 +100,9 @@ def train(
         print(f"stopped: {summary['stopped']}; checkpoint {summary['checkpoint']}; "
               f"continue with: distlm train ... log.name={trainer.run_dir.name} train.resume=auto")
     elif trainer.dims.is_main:
-        print(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, checkpoint {summary['checkpoint']}")
+        on = f" on {summary['val_on']}" if summary.get("val_on") else ""
+        print(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}{on}, "
+              f"checkpoint {summary['checkpoint']}")
     return 0
 
 

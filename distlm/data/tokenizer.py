@@ -352,8 +352,9 @@ def pool_init(tok: Tokenizer) -> None:
     tok.encoding  # noqa: B018 - GPT-2's is built on first use: now, while the parent reads
 
 
-def pool_encode(task: Sequence[tuple[int, str, bool]]) -> list[tuple[int, bytes]]:
-    return encode_task(_WORKER, task)
+def pool_call(fn, *args):
+    """In a worker process: ``fn(the worker's tokenizer, *args)``."""
+    return fn(_WORKER, *args)
 
 
 class _Inline:
@@ -362,16 +363,28 @@ class _Inline:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
 
-    def submit(self, fn, task) -> Future:
+    def run(self, fn, *args) -> Future:
         future: Future = Future()
-        future.set_result(encode_task(self.tok, task))
+        try:
+            future.set_result(fn(self.tok, *args))
+        except Exception as e:  # noqa: BLE001 - handed over as a worker's would be, by result()
+            future.set_exception(e)
         return future
+
+
+class _Pool:
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def run(self, fn, *args) -> Future:
+        return self.pool.submit(pool_call, fn, *args)
 
 
 @contextlib.contextmanager
 def open_executor(workers: int, tok: Tokenizer):
-    """Something to ``submit(pool_encode, task)`` to: this process for one worker, else
-    ``workers`` processes holding ``tok``.
+    """Something to ``run(fn, *args)`` on, which calls ``fn(tok, *args)`` and returns a Future:
+    in this process for one worker, else in one of ``workers`` processes holding ``tok``.
+    ``fn`` must be a module-level function (a spawned worker imports it by name).
 
     Linux forks: a spawned worker re-imports the caller's main module and all it
     imports (torch: seconds each), longer than tokenizing a small corpus. Workers
@@ -402,6 +415,6 @@ def open_executor(workers: int, tok: Tokenizer):
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
     try:
-        yield pool
+        yield _Pool(pool)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -29,6 +29,8 @@ class LMTask:
         self.overall = None            # a mixture's weighting of its sources' losses
         self.manifest: dict = {}
         self.data_dir = None
+        self.tokenizer = None          # none for synthetic data: no samples then
+        self._no_samples_noted = False
 
     # ---- configuration --------------------------------------------------------------
     def resolve(self, cfg: Config, comm, is_main: bool) -> Resolved:
@@ -152,6 +154,22 @@ class LMTask:
 
     def describe_eval(self) -> str:
         return "; ".join(vs.describe() for vs in (self.val_sets or {}).values())
+
+    # ---- samples --------------------------------------------------------------------
+    def samples(self, trainer) -> list[str]:
+        """log.samples continuations of log.sample_prompt (main rank; distlm/train/samples.py)."""
+        from distlm.train import samples as smp
+        n = trainer.cfg.log.samples
+        if not n or self.tokenizer is None:
+            return []
+        why = smp.why_not(trainer.gpt, trainer.dims)
+        if why is not None:
+            if not self._no_samples_noted:
+                self._no_samples_noted = True
+                print(f"note: log.samples={n}: no samples during training: {why}; sample a checkpoint with "
+                      f"`distlm generate --checkpoint {trainer.run_dir}` (or set log.samples=0)", flush=True)
+            return []
+        return smp.sample_texts(trainer.gpt, self.tokenizer, trainer.cfg.log.sample_prompt, n)
 
     # ---- run folder -----------------------------------------------------------------
     def write_run_files(self, run_dir: Path) -> None:

@@ -27,10 +27,12 @@ from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
                                  stop_reason)
-from distlm.train.logger import RunLogger, console_line
+from distlm.train.logger import RunLogger, console_line, log_interval
 from distlm.train.metrics import memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer
+from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.runlock import RunLock
+from distlm.train.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_at
 from distlm.train.setup import autocast_dtype, build_model, compute_context, resolve_device
 
@@ -55,6 +57,9 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.run_dir = Path(run_dir) if run_dir else self._run_dir()
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
+        # A checkpoint of another architecture or data is refused here, before the model is
+        # built or any weight loaded (and before config.yaml is rewritten).
+        check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
         self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
@@ -83,8 +88,21 @@ class Trainer:
         if run_dir.exists() and any(run_dir.iterdir()) and self.cfg.train.resume == "never":
             raise ConfigError(f"run directory {run_dir} already exists; pass train.resume=auto to continue it, "
                               f"or choose another log.name")
+        if self.cfg.train.resume == "auto" and not self.cfg.log.name and self.dims.is_main:
+            self._say_nothing_resumed(run_dir)
         self.comm.barrier()  # else rank 0 may create the folder before a slower rank has checked it
         return run_dir
+
+    def _say_nothing_resumed(self, run_dir: Path) -> None:
+        """resume=auto continues the run named by log.name; without one every start is a new,
+        timestamped run, which would silently start from step 0. Said once, on stderr."""
+        root = Path(self.cfg.log.root)
+        runs = sorted((p for p in root.glob("*/checkpoints") if p.is_dir()), key=lambda p: p.stat().st_mtime,
+                      reverse=True) if root.is_dir() else []
+        names = ", ".join(p.parent.name for p in runs[:3])
+        print(f"warning: train.resume=auto resumed nothing: no run name was given (log.name), so this is a new run, "
+              f"{run_dir}, starting from step 0; to continue a run, pass its name: train.resume=auto log.name=NAME"
+              + (f" (runs with checkpoints under {root}/: {names})" if names else ""), file=sys.stderr, flush=True)
 
     def _maybe_resume(self) -> Optional[Path]:
         # With resume=auto a damaged or non-finite newest checkpoint is skipped, with a message,
@@ -93,6 +111,9 @@ class Trainer:
                                           say=print if self.dims.is_main else lambda msg: None)
         if path is None:
             return None
+        # Checked before loading for the newest checkpoint; again for the one loaded, which
+        # may be an older one when the newest was damaged.
+        check_resume_config(meta["config"], self.cfg, path)
         self.load_state_dict(meta["trainer"])
         if self.dims.is_main:
             print(f"resumed from {path} (step {self.step}, the newest checkpoint that verifies)")
@@ -248,6 +269,7 @@ class Trainer:
         start_step, t_start = self.step, time.perf_counter()
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
+        every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
         self.model.train()
         try:
             while self.step < cfg.train.max_steps:
@@ -258,7 +280,7 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 do_eval = bool(cfg.train.eval_every) and self.step % cfg.train.eval_every == 0
-                if self.step % cfg.log.every == 0 or self.step == cfg.train.max_steps or do_eval:
+                if self.step % every == 0 or self.step == cfg.train.max_steps or do_eval:
                     last_loss, val = self._log_step(logger, say, loss, grad_norm, do_eval, t_start)
                     last_val = val if do_eval else last_val
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
@@ -269,7 +291,7 @@ class Trainer:
                         say(f"{stopped} at step {self.step}: saving a checkpoint and exiting")
                     break
             watchdog.disarm()
-            final = self._finish(logger, stopped, do_eval, last_val, ran=self.step > start_step)
+            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step)
             last_val = final["val_loss"]
         finally:
             watchdog.disarm()
@@ -284,9 +306,10 @@ class Trainer:
             plot_runs([self.run_dir], self.run_dir / "loss.png")
         return {"step": self.step, "train_loss": last_loss, "val_loss": last_val, "stopped": stopped,
                 "checkpoint": str(final["checkpoint"]) if final["checkpoint"] else None,
-                "run_dir": str(self.run_dir)}
+                "run_dir": str(self.run_dir), "val_on": self.task.describe_eval()}
 
-    def _finish(self, logger, stopped: Optional[str], evaluated: bool, last_val: Optional[float], ran: bool) -> dict:
+    def _finish(self, logger, say, stopped: Optional[str], evaluated: bool, last_val: Optional[float],
+                ran: bool) -> dict:
         """The final checkpoint first, then the final evaluation: an evaluation that fails
         must not cost the last steps. A run resumed at its end trains nothing and logs nothing."""
         ckpt_dir = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
@@ -306,9 +329,10 @@ class Trainer:
             logger.log(self.step, {"tokens": self.tokens_seen, "val_loss": last_val,
                                    "val_ppl": math.exp(min(last_val, 50)), **self.task.eval_metrics()})
             if self.dims.is_main and math.isfinite(last_val):
-                print(f"final val loss {last_val:.4f} on {self.task.describe_eval()}")
+                say(f"final val loss {last_val:.4f} on {self.task.describe_eval()}")
             if final is not None and self.dims.is_main and math.isfinite(last_val):
                 self._record_val(final, last_val)
+            self._samples(logger, say)
         return {"checkpoint": final, "val_loss": last_val}
 
     def _record_val(self, folder: Path, val_loss: float) -> None:
@@ -335,9 +359,27 @@ class Trainer:
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50)), **self.task.eval_metrics())
         logger.log(self.step, row)
         if self.dims.is_main:
-            say(console_line(self.step, row) + (f" on {self.task.describe_eval()}" if do_eval else ""))
+            measured_on = self.task.describe_eval()
+            say(console_line(self.step, row) + (f" on {measured_on}" if do_eval and measured_on else ""))
+        if do_eval:
+            self._samples(logger, say)
         self._window = (time.perf_counter(), self.step)
         return row["loss"], val
+
+    def _samples(self, logger, say) -> None:
+        """log.samples continuations of log.sample_prompt, on the main rank, after an
+        evaluation: printed, and logged to RUN/samples.txt and TensorBoard. The task decides
+        whether there are any (a classifier, synthetic data or a sharded layout: none)."""
+        if not self.dims.is_main:
+            return
+        try:
+            texts = self.task.samples(self)
+        finally:
+            self.model.train()  # generation puts the model in eval mode
+        if texts:
+            prompt = self.cfg.log.sample_prompt
+            say(console_block(self.step, prompt, texts))
+            logger.samples(self.step, describe_samples(len(texts)), prompt, texts)
 
 
 __all__ = ["Trainer", "TrainingStopped"]

@@ -123,6 +123,9 @@ class ClassifyTask:
     def describe_eval(self) -> str:
         return f"{self.last['examples']:,} val examples" if self.last else "no val examples"
 
+    def samples(self, trainer) -> list[str]:
+        return []  # a classifier has no text to show (its evaluation prints the confusion matrix)
+
     # ---- evaluation ---------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, trainer) -> float:
