@@ -89,12 +89,29 @@ def one_checkpoint(tmp_path_factory) -> Path:
     return root / "s" / "checkpoints" / "step_0000002"
 
 
+def _reseal(ckpt: Path) -> None:
+    """Rewrite the marker's checksums over the crafted files, as an attacker who edits the
+    marker too would: the checksums catch damage, the unpickler must stop the code."""
+    import hashlib
+    import json
+    from distlm.checkpoint import MARKER
+    meta = json.loads((ckpt / MARKER).read_text())
+    files = {}
+    for p in sorted(ckpt.rglob("*")):
+        rel = p.relative_to(ckpt).as_posix()
+        if p.is_file() and rel != MARKER:
+            files[rel] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+    meta["files"] = files
+    (ckpt / MARKER).write_text(json.dumps(meta))
+
+
 def test_rng_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
     bad = tmp_path / "ck"
     shutil.copytree(one_checkpoint, bad)
     pwned = tmp_path / "pwned"
     torch.save({"cpu": _Evil(pwned)}, bad / "rng" / "rank_00000.pt")
-    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+    _reseal(bad)
+    with pytest.raises(Exception, match="refused to load: it names the global"):
         fh.load_into_fresh(bad)
     assert not pwned.exists()
 
@@ -105,8 +122,9 @@ def test_metadata_file_that_runs_code_is_refused(one_checkpoint, tmp_path):
     pwned = tmp_path / "pwned"
     import pickle
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil(pwned)))
+    _reseal(bad)
     from distlm.checkpoint import CheckpointError
-    with pytest.raises(CheckpointError, match="unreadable checkpoint metadata"):
+    with pytest.raises(CheckpointError, match="refused to load: it names the global"):
         fh.load_into_fresh(bad)
     assert not pwned.exists(), "loading the checkpoint ran code from its .metadata"
 
@@ -124,8 +142,9 @@ def test_byte_entry_that_runs_code_is_refused(one_checkpoint, tmp_path):
     for p in [*bad.glob("*.distcp"), bad / ".metadata"]:
         p.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(bad))
+    _reseal(bad)
     from distlm.checkpoint import CheckpointError
-    with pytest.raises(CheckpointError, match="cannot load this checkpoint"):
+    with pytest.raises(CheckpointError, match="refused to load: it names the global"):
         fh.load_into_fresh(bad)
     assert not pwned.exists(), "loading the checkpoint ran code from an optimizer entry"
 

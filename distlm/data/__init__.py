@@ -37,8 +37,10 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def load_manifest(data_dir: str | Path) -> dict:
-    """The manifest of a prepared folder; DataError naming the path if missing or invalid."""
+def load_manifest(data_dir: str | Path, *, part_ok: bool = False) -> dict:
+    """The manifest of a prepared folder; DataError naming the path if missing or invalid.
+    A part of a sharded prepare (``prepare --shard I/N``) holds only some inputs, its splits
+    not yet balanced: refused unless ``part_ok`` (for ``prepare --merge``)."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path}: not found; create it with `distlm prepare INPUT... --out {data_dir}`")
@@ -57,6 +59,11 @@ def load_manifest(data_dir: str | Path) -> dict:
     vocab = tok.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
         raise DataError(f"{path}: tokenizer.vocab_size must be a positive integer, got {vocab!r}")
+    part = manifest.get("part")
+    if part is not None and not part_ok:
+        where = f"{part.get('index')}/{part.get('count')}" if isinstance(part, dict) else "?"
+        raise DataError(f"{path}: part {where} of a sharded prepare; join all the parts first with "
+                        f"`distlm prepare --merge PART_DIR... --out DIR`")
     return manifest
 
 

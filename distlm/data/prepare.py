@@ -833,7 +833,7 @@ def _load_parts(paths: list[Path]) -> list[tuple[Path, dict]]:
     """The parts' manifests in part order; DataError unless they are parts 0..N-1 of one run."""
     loaded = []
     for path in paths:
-        m = load_manifest(path)
+        m = load_manifest(path, part_ok=True)
         if not isinstance(m.get("part"), dict):
             raise DataError(f"{path}: not a part (made by `distlm prepare --shard I/N`); nothing to merge")
         loaded.append((path, m))
