@@ -1,5 +1,4 @@
 """distlm bench: the timed run reports what it says, and the scaling report's arithmetic."""
-import json
 
 import pytest
 

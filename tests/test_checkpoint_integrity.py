@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.errors import CheckpointError, CheckpointSaveError, CorruptCheckpoint, NonFiniteCheckpoint
-from test_checkpoint_safety import fresh_model, marker_meta, rehash, save, tiny_model
+from test_checkpoint_safety import fresh_model, marker_meta, save, tiny_model
 
 INLINE_CONTAINER = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
 

@@ -30,7 +30,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = "distlm/assets/gutenberg/gutenberg.tar.xz"
@@ -134,7 +133,7 @@ def check(words: list[str], argv: list[str], p: subprocess.CompletedProcess, cwd
         assert [json.loads(x)["index"] for x in written.read_text().splitlines()] == [0, 1]
     elif verb == "generate":
         prompt = argv[argv.index("--prompt") + 1]
-        assert out.count(f"--- sample ") == int(argv[argv.index("--num-samples") + 1]), out
+        assert out.count("--- sample ") == int(argv[argv.index("--num-samples") + 1]), out
         assert out.count(prompt) == out.count("--- sample "), out
     elif verb == "plot":
         import matplotlib.image

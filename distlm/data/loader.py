@@ -68,7 +68,34 @@ def global_sample_ids(seed: int, step: int, global_batch: int, n_blocks: int,
     return sample_blocks(seed, g, n_blocks, order)
 
 
-class BatchLoader:
+class RankBatches:
+    """What every loader serves the Trainer: this rank's slice of each global batch
+    (``_rank_rows(step)``, given by the subclass), cut into micro-batches, one step after
+    another from ``self.step``."""
+
+    global_batch: int
+    micro_batch: int
+    dp_size: int
+    pin_memory: bool
+    step: int
+
+    @property
+    def accum_steps(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+    def _rank_rows(self, step: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return split_micro_batches(self._rank_rows(step), self.micro_batch, self.pin_memory)
+
+    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batch = self.micro_batches(self.step)
+        self.step += 1
+        return batch
+
+
+class BatchLoader(RankBatches):
     """This rank's micro-batches of each global batch.
 
     Rank r of dp takes samples [r*B/dp, (r+1)*B/dp) of the global batch B, cut into
@@ -90,10 +117,6 @@ class BatchLoader:
         self.order = check_order(order)
         self.step = 0  # the next step to serve: with the order's version, the loader's whole resumable state
 
-    @property
-    def accum_steps(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp_size)
-
     def _rank_rows(self, step: int) -> np.ndarray:
         per_rank = self.global_batch // self.dp_size
         lo = self.dp_rank * per_rank
@@ -107,14 +130,6 @@ class BatchLoader:
         ids = sample_blocks(self.seed, np.arange(first, first + per_rank, dtype=np.int64), len(self.blocks),
                             self.order)
         return np.stack([self.blocks.block(int(i)) for i in ids])
-
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return split_micro_batches(self._rank_rows(step), self.micro_batch, self.pin_memory)
-
-    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batch = self.micro_batches(self.step)
-        self.step += 1
-        return batch
 
     def epoch_events(self, step: int) -> list[str]:
         """Messages for the log when the global batch of ``step`` starts a new epoch (the data

@@ -30,11 +30,10 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from distlm.data import DataError, load_manifest
-from distlm.data.loader import (TokenBlocks, ValSet, check_batch, epoch_messages, human_count, resume_step,
-                                split_micro_batches, val_micro_batches)
+from distlm.data.loader import (RankBatches, TokenBlocks, ValSet, check_batch, epoch_messages, human_count,
+                                resume_step, val_micro_batches)
 from distlm.data.order import ORDER_V2, derived_seed, sample_blocks
 
 MAX_PERIOD = 1 << 16  # schedule slots: 65,536 int32+int64 pairs, under 1 MB, built in well under a second
@@ -200,7 +199,7 @@ def _short(value) -> str:
     return text[:12] + "..." if len(text) > 16 else text
 
 
-class MixtureLoader:
+class MixtureLoader(RankBatches):
     """BatchLoader's interface over a weighted mixture: this rank's micro-batches of each
     global batch, rank r taking samples [r*B/dp, (r+1)*B/dp) of it. Its state is the step
     plus what the mixture was built from (names, proportions, block counts), checked on load."""
@@ -223,10 +222,6 @@ class MixtureLoader:
         self.step = 0
 
     @property
-    def accum_steps(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp_size)
-
-    @property
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
 
@@ -246,14 +241,6 @@ class MixtureLoader:
         lo = self.dp_rank * per_rank
         src, ids = self.sample_ids(step, lo, lo + per_rank)
         return np.stack([self.sources[s].train.block(int(i)) for s, i in zip(src, ids)])
-
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return split_micro_batches(self._rank_rows(step), self.micro_batch, self.pin_memory)
-
-    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batch = self.micro_batches(self.step)
-        self.step += 1
-        return batch
 
     # ---- what the log says --------------------------------------------------------------
     def step_counts(self, step: int) -> dict[str, int]:

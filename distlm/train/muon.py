@@ -29,7 +29,7 @@ rank only:
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
