@@ -9,9 +9,11 @@
 #      *.txt files), as JSONL files of FILE_MB (128) in folders of 4 (FORMAT=parquet: Parquet files instead).
 #      Kept in WORK between calls (a stamp file says it is complete): build it in one call, measure in the next.
 #   2. scaling: prepare() at each of WORKERS (default "1 2 4 8 16"), a fresh process each, on the first
-#      min(all, max(1, w)) folders of 512 MB (8 and 16 workers: all of it, >= 5 GB). MB/s = MB of UTF-8 text /
+#      min(all, w) folders of 512 MB (8 workers and more, and the largest WORKERS: all of it, >= 5 GB; fewer
+#      workers read less so that the whole sweep fits in one 10-minute call). MB/s = MB of UTF-8 text /
 #      wall time of the prepare() call (from the first read to the renamed output folder; imports excluded).
-#      Peak RSS: getrusage of the parent and of its largest worker, and the sum over the process tree sampled
+#      Peak RSS: getrusage of the parent and of its largest worker (both include the pages a forked worker
+#      shares with its parent), and the peak of the process tree's summed PSS (shared pages once), sampled
 #      every 0.2 s.
 #   3. resume: prepare at the largest WORKERS on all of it, kill -9 once the journal shows half the tasks
 #      done, run again (it resumes), and compare the result with item 2's uninterrupted run (manifest
@@ -121,11 +123,14 @@ def tree(pid):
     return [pid] + [q for k in kids for q in tree(k)]
 while proc.poll() is None:
     total = 0
-    for p in tree(proc.pid):
+    for p in tree(proc.pid):  # PSS: pages shared by the forked workers counted once, not per process
         try:
-            total += int(open(f"/proc/{p}/statm").read().split()[1]) * page
-        except OSError:
-            pass
+            total += int(next(l for l in open(f"/proc/{p}/smaps_rollup") if l.startswith("Pss:")).split()[1]) * 1024
+        except (OSError, StopIteration):
+            try:
+                total += int(open(f"/proc/{p}/statm").read().split()[1]) * page
+            except OSError:
+                pass
     peak = max(peak, total)
     time.sleep(0.2)
 line = proc.stdout.read().strip().splitlines()
@@ -137,7 +142,7 @@ with open(os.path.join(out, "prepare_scale.jsonl"), "a") as fh:
     fh.write(json.dumps(r) + "\n")
 print(f"[{name}] {w:2d} workers: {r['text_gb']:.2f} GB in {r['wall_s']:.1f} s = {r['mb_per_s']:.1f} MB/s; CPU parent "
       f"{r['cpu_parent_s']:.1f} s, workers {r['cpu_workers_s']:.1f} s; peak RSS parent {r['rss_parent_mb']:.0f} MB, "
-      f"largest worker {r['rss_largest_worker_mb']:.0f} MB, whole tree {r['rss_tree_peak_mb']:.0f} MB", flush=True)
+      f"largest worker {r['rss_largest_worker_mb']:.0f} MB, whole tree (PSS) {r['rss_tree_peak_mb']:.0f} MB", flush=True)
 EOF
 }
 folders() { ls -d "$WORK"/corpus/[0-9]* | head -n "$1"; }
@@ -146,7 +151,7 @@ MAXW=$(echo $WORKERS | tr ' ' '\n' | sort -n | tail -1)
 
 if want 2; then
   for w in $WORKERS; do
-    n=$(( w >= 8 ? N_FOLDERS : (w < N_FOLDERS ? w : N_FOLDERS) ))
+    n=$(( w >= 8 || w == MAXW ? N_FOLDERS : (w < N_FOLDERS ? w : N_FOLDERS) ))
     [ "$(left)" -gt 60 ] || { echo "[scale-w$w] skipped: no time left"; continue; }
     measure "w$w" "$w" $(folders "$n")
   done
@@ -186,6 +191,7 @@ fi
 
 if want 4 && [ "$(left)" -gt 120 ]; then
   half=$(( MAXW / 2 > 0 ? MAXW / 2 : 1 )); s=$SECONDS
+  rm -rf "$WORK/part0" "$WORK/part1" "$WORK/out-merged"
   for i in 0 1; do
     "$PY" -m distlm prepare $(folders "$N_FOLDERS") --out "$WORK/part$i" --shard "$i/2" --workers "$half" --quiet &
   done
@@ -200,7 +206,7 @@ fi
 import json, os, sys
 rows = [json.loads(l) for l in open(os.path.join(sys.argv[1], "prepare_scale.jsonl"))] if os.path.exists(
     os.path.join(sys.argv[1], "prepare_scale.jsonl")) else []
-lines = ["| workers | text GB | wall s | MB/s | CPU parent s | CPU workers s | peak RSS parent MB | largest worker MB | tree peak MB |",
+lines = ["| workers | text GB | wall s | MB/s | CPU parent s | CPU workers s | peak RSS parent MB | largest worker MB | tree peak PSS MB |",
          "|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     lines.append(f"| {r['workers']} | {r['text_gb']:.2f} | {r['wall_s']:.1f} | {r['mb_per_s']:.1f} | {r['cpu_parent_s']:.1f} | "
