@@ -171,17 +171,24 @@ if want 3 && [ "$(left)" -gt 120 ]; then
   dest=$WORK/out-resume; rm -rf "$dest" "$WORK"/.out-resume.*
   "$PY" -c "import sys; from distlm.data.prepare import prepare; prepare(sys.argv[3:], sys.argv[1], workers=int(sys.argv[2]), progress=False)" \
     "$dest" "$MAXW" $(folders "$N_FOLDERS") & pid=$!
-  start=$SECONDS
+  journaled() {  # "TOTAL DONE": tasks in the plan, and tasks the journal's last complete line covers
+    python3 -c 'import json, sys
+lines = open(sys.argv[1]).read().split("\n"); done = 0
+for line in lines[1:-1]:
+    try: done = json.loads(line)["unit"] + 1
+    except (ValueError, KeyError): break
+print(json.loads(lines[0])["units"], done)' "$1" 2>/dev/null || echo "1 0"; }
+  start=$SECONDS; total=1; done=0
   while kill -0 $pid 2>/dev/null; do
     j=$(ls "$WORK"/.out-resume.tmp-*/journal.jsonl 2>/dev/null | head -1)
     if [ -n "$j" ]; then
-      total=$(head -1 "$j" | "$PY" -c "import json,sys; print(json.load(sys.stdin)['units'])")
-      [ $(( $(wc -l < "$j") - 1 )) -ge $(( total / 2 )) ] && break
+      read -r total done < <(journaled "$j")
+      [ "$done" -ge $(( total / 2 )) ] && break
     fi
     sleep 0.5
   done
   kill -9 $pid; wait $pid 2>/dev/null
-  echo "[resume] killed after $((SECONDS - start)) s with $(( $(wc -l < "$j") - 1 )) of $total tasks journaled"
+  echo "[resume] killed after $((SECONDS - start)) s with $done of $total tasks journaled" | tee "$OUT/resume.txt"
   s=$SECONDS
   "$PY" -c "import sys; from distlm.data.prepare import prepare; prepare(sys.argv[3:], sys.argv[1], workers=int(sys.argv[2]), progress=False)" \
     "$dest" "$MAXW" $(folders "$N_FOLDERS") | tee -a "$OUT/resume.txt"

@@ -226,7 +226,7 @@ def write_corpus(folder: Path, n_files: int, docs_per_file: int, seed: int = 0) 
 def test_kill_9_then_resume_gives_the_bytes_of_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
     src = write_corpus(tmp_path / "in", 24, 40)  # ~6 MB: about half a second of tokenizing per worker
     out = tmp_path / "out"
-    code = ("import sys; import distlm.data.prepare as p; p.TASK_CHARS = 1 << 18; "
+    code = ("import sys; import distlm.data.prepare as p; p.TASK_CHARS = 1 << 18; p.JOURNAL_SECONDS = 0; "
             "p.prepare([sys.argv[1]], sys.argv[2], workers=1, progress=False, shard_tokens=150_000)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -259,6 +259,7 @@ def test_interrupted_mid_shard_resumes_exactly(tmp_path, monkeypatch, capsys):
     """Ctrl-C after the shard file got bytes the journal never recorded: they are cut off."""
     src = write_corpus(tmp_path / "in", 12, 6)
     monkeypatch.setattr(prep, "TASK_CHARS", 20_000)
+    monkeypatch.setattr(prep, "JOURNAL_SECONDS", 0)  # a line after every task
     fresh = run([src], tmp_path / "fresh", shard_tokens=7000)
     calls = []
     write = prep._ShardWriter.write
@@ -290,11 +291,13 @@ def test_interrupted_mid_shard_resumes_exactly(tmp_path, monkeypatch, capsys):
 def test_a_journal_of_other_inputs_or_options_is_not_resumed(tmp_path, monkeypatch, capsys):
     src = write_corpus(tmp_path / "in", 6, 4)
     monkeypatch.setattr(prep, "TASK_CHARS", 8000)
+    monkeypatch.setattr(prep, "JOURNAL_SECONDS", 0)
     monkeypatch.setattr(prep._Journal, "append", _interrupt_after(prep._Journal.append, 3))
     with pytest.raises(KeyboardInterrupt):
         run([src], tmp_path / "out")
     monkeypatch.undo()
     monkeypatch.setattr(prep, "TASK_CHARS", 8000)
+    monkeypatch.setattr(prep, "JOURNAL_SECONDS", 0)
     (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
     os.replace(kept, tmp_path / f".out.tmp-{2 ** 22 + 9}")
     m = run([src], tmp_path / "out", val_fraction=0.3)  # other options: starts over, removes the old folder

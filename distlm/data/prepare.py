@@ -23,9 +23,9 @@ the corpus), shards are written as units finish, and the output is the same for 
 number of workers. The two fallbacks above need the whole corpus: they are applied at
 the end, by rewriting the shards from the one holding the moved tokens on.
 
-Resuming: the temporary folder keeps ``journal.jsonl``, a line per finished unit (input
-files done, shards closed, the open shard's length, counts, the candidates for the
-fallbacks). A run killed outright leaves the folder behind; the next run with the same
+Resuming: the temporary folder keeps ``journal.jsonl``, a line after a finished unit about
+every second (input files done, shards closed, the open shard's length, counts, the
+candidates for the fallbacks). A run killed outright leaves the folder behind; the next run with the same
 inputs, options and plan adopts it, truncates the open shard to the journaled length and
 goes on from the next unit, giving the same bytes as an uninterrupted run.
 
@@ -48,6 +48,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
@@ -67,6 +68,9 @@ POOL_MIN_BYTES = 1 << 20  # smaller inputs: starting worker processes costs more
 # fsyncs, opening files) is noise; small enough that all cores stay busy to the end and a
 # task's text and tokens are a few tens of MB in a worker.
 TASK_CHARS = 8 << 20
+# A journal line (and the fsyncs before it) at most this often: a kill loses at most this much work,
+# and on a network file system, where an fsync can take tens of ms, syncing stays a small cost.
+JOURNAL_SECONDS = 1.0
 JOURNAL = "journal.jsonl"
 UNITS = "units"
 COPY_BLOCK = 1 << 23
@@ -376,14 +380,16 @@ def _run_units(pool, units: list[Unit], start: int, build: _Build, journal: _Jou
     and append each finished unit's tokens to the shards in unit order."""
     window = 2 * workers + 1
     pending: deque = deque()
-    k = start
+    k, journaled = start, time.monotonic()
     while k < len(units) or pending:
         while k < len(units) and len(pending) < window:
             pending.append((k, pool.run(_encode_unit, k, units[k], options, str(folder))))
             k += 1
         i, future = pending.popleft()
         build.add(i, units[i], _result(future), folder)
-        journal.append(build.record(i, units[i]))
+        if time.monotonic() - journaled >= JOURNAL_SECONDS:
+            journal.append(build.record(i, units[i]))
+            journaled = time.monotonic()
         bar.update(units[i].size)
 
 
@@ -589,7 +595,8 @@ class _Router:
 
 class _Journal:
     """``journal.jsonl`` in the temporary folder: a header line (inputs, options and plan),
-    then one line per finished unit (``_Build.record``). A line goes out in one write, after
+    then a line after a finished unit (``_Build.record``) every JOURNAL_SECONDS or so, each
+    describing everything up to that unit. A line goes out in one write, after
     the shard bytes it describes were synced, and is synced itself: a kill at any moment
     leaves a valid prefix, and a torn last line is dropped when the journal is read."""
 
@@ -630,7 +637,7 @@ class _Journal:
                 break
             if not isinstance(record, dict) or record.get("fixup"):
                 return None  # killed while rewriting shards for the fallbacks: start over
-            if record.get("unit") != (records[-1]["unit"] + 1 if records else 0):
+            if not isinstance(record.get("unit"), int) or record["unit"] <= (records[-1]["unit"] if records else -1):
                 break
             records.append(record)
             size += len(line) + 1
