@@ -192,7 +192,8 @@ def expected_splits(docs: list[str], val_fraction: float, seed: int = 0) -> dict
         val[keys.index(min(keys))] = True
     if all(val):
         val[keys.index(max(keys))] = False
-    return {"train": sum((i for i, v in zip(ids, val) if not v), []), "val": sum((i for i, v in zip(ids, val) if v), [])}
+    return {"train": sum((i for i, v in zip(ids, val) if not v), []),
+            "val": sum((i for i, v in zip(ids, val) if v), [])}
 
 
 @pytest.mark.parametrize("val_fraction, seed", [(0.2, 0), (1e-6, 0), (0.97, 1)])
@@ -238,8 +239,10 @@ def test_kill_9_then_resume_gives_the_bytes_of_an_uninterrupted_run(tmp_path, mo
                 break
             time.sleep(0.002)
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL: no handler, no cleanup
+        rc = proc.wait(timeout=30)
+        assert rc == -signal.SIGKILL, f"rc {rc}, finished before the kill? {proc.stderr.read().decode()[-2000:]}"
     records = [json.loads(line) for line in journal.read_text().split("\n")[1:-1]]
     assert records and not out.exists()
     assert records[-1]["inputs_done"] >= 1 and records[-1]["tokens"][0] > 0
