@@ -32,6 +32,21 @@ def doc(default, help=""):
     return field(default=default, metadata={"help": help})
 
 
+AUTO = "auto"
+
+
+def auto(*options, help=""):
+    """A setting whose best value depends on the device and the layout. It holds None until
+    distlm/train/fast_defaults.py picks the value, before the model is built; "auto" (or null)
+    in YAML and on the command line. None rather than the string: code that reads the tree
+    without resolving it (a GPT built from a preset, the planner) sees a false value and
+    takes the plain path, as it did before these settings had an auto."""
+    meta = {"auto": True, "help": help}
+    if options:
+        meta["choices"] = options
+    return field(default=None, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     n_layer: int = doc(2, "transformer blocks")
@@ -50,8 +65,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    loss_chunk: int = doc(0, "training: head + cross-entropy this many tokens at a time, gradients formed "
-                             "in the forward, so the whole logits tensor never exists; 0 = all at once")
+    loss_chunk: Optional[int] = auto(help="training: head + cross-entropy this many tokens at a time, gradients "
+                                          "formed in the forward, so the whole logits tensor never exists; 0 = all "
+                                          "at once; auto = 8192 on CUDA where the model computes its own loss "
+                                          "(no TP, no PP), else 0")
     qk_norm: bool = doc(False, "RMS-normalise queries and keys per head (no learned scale) before RoPE")
     zero_init_proj: bool = doc(False, "attention and MLP output projections start at zero (each block starts "
                                       "as the identity)")
@@ -93,7 +110,9 @@ class TrainConfig:
     seed: int = 1337
     max_steps: int = 200
     global_batch_size: int = doc(32, "sequences per optimizer step, fixed whatever the world size")
-    micro_batch_size: int = doc(8, "sequences per forward pass per data-parallel rank")
+    micro_batch_size: Optional[int] = auto(help="sequences per forward pass per data-parallel rank; auto = the "
+                                                "largest divisor of the local batch that fits: on CUDA at most 64, "
+                                                "by the planner's memory estimate, on CPU at most 8")
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 20
@@ -120,10 +139,11 @@ class TrainConfig:
     resume: str = doc("never", "never | auto (newest complete checkpoint) | PATH")
     device: str = choice("auto", "auto", "cpu", "cuda")
     dtype: str = choice("auto", "auto", "fp32", "bf16", help="auto = bf16 autocast on CUDA, fp32 on CPU")
-    compile: bool = doc(False, "torch.compile each block")
-    compile_scope: str = choice("block", "block", "model",
-                                help="block: one graph reused by every block (works with FSDP2/TP/PP); "
-                                     "model: the whole forward in one graph (1 GPU or DDP)")
+    compile: Optional[bool] = auto(help="torch.compile: true, false, or auto = on CUDA, off on CPU")
+    compile_scope: Optional[str] = auto("block", "model",
+                                        help="block: one graph reused by every block (works with FSDP2/TP/PP); "
+                                             "model: the whole forward in one graph (1 GPU or DDP); auto = model "
+                                             "where the layout allows, else block")
     compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune",
                                help="torch.compile mode (autotuning costs minutes of compile time)")
     time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
@@ -133,6 +153,12 @@ class TrainConfig:
     on_save_error: str = choice("stop", "stop", "continue", help="a checkpoint cannot be written: stop or go on")
     watchdog_s: float = doc(1800.0, "a rank with no progress this long dumps its stack and exits (0 = off)")
     stop_check_every: int = doc(1, "steps between checks for SIGTERM/SIGINT across ranks")
+    seq_warmup_steps: int = doc(0, "sequence-length warm-up: for this many first steps each block of "
+                                   "model.block_size tokens is cut into shorter rows (same tokens, same order, "
+                                   "shorter attention context), doubling from train.seq_warmup_start in equal "
+                                   "stages; 0 = off (distlm/train/seq_schedule.py)")
+    seq_warmup_start: int = doc(128, "sequence-length warm-up: the first stage's row length, a power of two "
+                                     "below model.block_size")
 
 
 @dataclass(frozen=True)
@@ -252,6 +278,9 @@ def _field_types(cls) -> dict[str, Any]:
 
 
 def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
+    or_auto = " or auto" if f.metadata.get("auto") else ""
+    if or_auto and isinstance(value, str) and value.strip().lower() == AUTO:
+        return None
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
@@ -266,14 +295,14 @@ def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
         elif isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
             out = False
         else:
-            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+            raise ConfigError(f"{key}: expected true/false{or_auto}, got {value!r}")
     elif typ is int:
         try:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+            raise ConfigError(f"{key}: expected an integer{or_auto}, got {value!r}") from None
     elif typ is float:
         try:
             out = float(value)
@@ -283,7 +312,8 @@ def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
         out = str(value)
     choices = f.metadata.get("choices")
     if choices and out not in choices:
-        raise ConfigError(f"{key}: {out!r} is not one of {', '.join(choices)}{_suggest(str(out), choices)}")
+        shown = (*choices, AUTO) if or_auto else choices
+        raise ConfigError(f"{key}: {out!r} is not one of {', '.join(shown)}{_suggest(str(out), shown)}")
     return out
 
 
@@ -360,7 +390,7 @@ def validate(cfg: Config) -> None:
                 "parallel.dp_replicate": p.dp_replicate, "parallel.dp_shard": p.dp_shard,
                 "parallel.tp": p.tp, "parallel.pp": p.pp, "log.every": cfg.log.every}
     for key, v in positive.items():
-        if v <= 0:
+        if v is not None and v <= 0:  # None: auto, chosen positive at start-up
             raise ConfigError(f"{key} must be positive, got {v}")
     _validate_numbers(cfg)
     if m.d_model % m.n_head:
@@ -373,19 +403,27 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size must be positive, got {m.vocab_size}")
     check_model_split(m, p)
     dp = p.dp_replicate * p.dp_shard
+    # An auto micro-batch is a divisor of the local batch (distlm/train/fast_defaults.py):
+    # 1 stands for it here, so what is checked is that the local batch is whole.
+    micro = 1 if t.micro_batch_size is None else t.micro_batch_size
     if p.pp > 1:
         local = t.global_batch_size // dp if t.global_batch_size % dp == 0 else 0
-        n_mb = p.pp_microbatches or (local // t.micro_batch_size if local else 0)
+        n_mb = p.pp_microbatches or (local // micro if local else 0)
         if not local or n_mb <= 0 or local % n_mb:
             raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches}: the local batch "
                               f"(train.global_batch_size={t.global_batch_size} / data-parallel degree {dp}) must "
                               f"split into equal microbatches")
-    if t.compile and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
+    # compile=auto is on wherever a GPU is: an explicit scope=model is refused with it too.
+    if t.compile is not False and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
         raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "
                           "into per-block or per-stage pieces; use train.compile_scope=block with them")
     if (p.tp > 1 or p.pp > 1) and p.engine != "torch":
         raise ConfigError(f"parallel.engine={p.engine} does data parallelism only; tp and pp need engine=torch")
-    if t.global_batch_size % (t.micro_batch_size * dp):
+    if t.micro_batch_size is None and t.global_batch_size % dp:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
+                          f"degree {dp}, so that every rank gets a whole local batch; use "
+                          f"train.global_batch_size={-(-t.global_batch_size // dp) * dp}")
+    if t.global_batch_size % (micro * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={t.micro_batch_size} x data-parallel degree {dp}{_batch_hint(t, dp)}")
@@ -395,6 +433,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
+    _validate_seq_warmup(cfg)
     _validate_task(cfg)
 
 
@@ -436,7 +475,7 @@ _RANGES = {
     "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
     "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0),
     "train.muon_momentum": _in_unit(False), "train.muon_ns_steps": _at_least(1),
-    "train.muon_weight_decay": _at_least(0),
+    "train.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
 }
 
 
@@ -450,8 +489,70 @@ def _validate_numbers(cfg: Config) -> None:
     for key, (ok, what) in _RANGES.items():
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
-        if not ok(v):
+        if v is not None and not ok(v):  # None: auto, chosen in range at start-up
             raise ConfigError(f"{key} must be {what}, got {v}")
+
+
+# torch._dynamo.config.recompile_limit's default: the graphs one compiled function keeps
+# (one per input shape and mode); past it dynamo runs new shapes eagerly, and the
+# warm-up's last shape, model.block_size, is the one every later step uses.
+DYNAMO_RECOMPILE_LIMIT = 8
+
+
+def seq_warmup_lengths(t: "TrainConfig", block_size: int) -> list[int]:
+    """The warm-up's row lengths, one per stage (empty when it is off); model.block_size follows."""
+    if not t.seq_warmup_steps:
+        return []
+    out, n = [], t.seq_warmup_start
+    while n < block_size:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def _validate_seq_warmup(cfg: Config) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if not t.seq_warmup_steps:
+        return
+    s, T = t.seq_warmup_start, m.block_size
+    if s < 1 or s & (s - 1):
+        raise ConfigError(f"train.seq_warmup_start must be a power of two, got {s}")
+    if s >= T:
+        raise ConfigError(f"train.seq_warmup_start={s} must be below model.block_size={T}: the warm-up's rows "
+                          f"grow from it up to the block size")
+    if T % s or (T // s) & (T // s - 1):
+        raise ConfigError(f"train.seq_warmup_start={s} must divide model.block_size={T} by a power of two: the "
+                          f"warm-up's rows double from it up to the block size")
+    if p.pp > 1:
+        raise ConfigError(f"train.seq_warmup_steps={t.seq_warmup_steps} does not support parallel.pp={p.pp}: a "
+                          f"pipeline's stages are built for one input shape (model.block_size); use data or "
+                          f"tensor parallelism, or train.seq_warmup_steps=0")
+    if p.tp > 1 and p.sequence_parallel and s % p.tp:
+        raise ConfigError(f"train.seq_warmup_start={s} is not divisible by parallel.tp={p.tp}: sequence "
+                          f"parallelism splits every row over the TP ranks; use a multiple of {p.tp}")
+    if cfg.task.name != "lm":
+        raise ConfigError(f"train.seq_warmup_steps={t.seq_warmup_steps} is for language models; "
+                          f"task.name={cfg.task.name} trains on whole examples")
+    # Each row length is a graph of every compiled function, and the evaluation (full
+    # blocks, no grad) one more. Compiled per block, each pattern of optional block inputs
+    # (value embeddings, U-net skips) is one more per shape (an upper bound here; an auto
+    # compile or scope counts as one that may compile per block).
+    variants = 1
+    if t.compile is not False and t.compile_scope != "model":
+        variants = (2 if 0 < 2 * m.value_embeds < m.n_layer else 1) * (2 if m.skip_connections and m.n_layer > 1 else 1)
+    lengths = seq_warmup_lengths(t, T)
+    graphs = (len(lengths) + 2) * variants
+    if graphs > DYNAMO_RECOMPILE_LIMIT:
+        most = DYNAMO_RECOMPILE_LIMIT // variants - 2
+        raise ConfigError(f"train.seq_warmup_start={s} gives {len(lengths)} warm-up row lengths ({s} to {T // 2}): "
+                          f"{graphs} graphs per compiled function with the full blocks' and the evaluation's, over "
+                          f"torch.compile's recompile limit of {DYNAMO_RECOMPILE_LIMIT}, past which the steps after "
+                          f"the warm-up would run uncompiled; use train.seq_warmup_start={T >> most} or more"
+                          if most > 0 else
+                          f"train.seq_warmup_steps={t.seq_warmup_steps}: compiled per block with "
+                          f"{variants} kinds of block inputs (value embeddings, U-net skips), the warm-up's shapes "
+                          f"would pass torch.compile's recompile limit of {DYNAMO_RECOMPILE_LIMIT}; use "
+                          f"train.compile_scope=model or train.seq_warmup_steps=0")
 
 
 def _validate_task(cfg: Config) -> None:
@@ -507,4 +608,9 @@ def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    data = cfg.to_dict()
+    for section, cls in SECTIONS.items():  # an unresolved auto reads as the user wrote it
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("auto") and data[section][f.name] is None:
+                data[section][f.name] = AUTO
+    return yaml.safe_dump(data, sort_keys=False)

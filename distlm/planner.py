@@ -8,22 +8,60 @@ Estimates, per GPU, the largest pipeline stage's (memory in GiB, as `distlm benc
   activations saved for backward, counted tensor by tensor for this model's blocks (see
   ``block_saved_elements``), times the microbatches a schedule keeps in flight, or only
   each block's input with full activation checkpointing; the logits and their gradient.
-Communication per step is the bytes each GPU sends in its collectives (ring algorithms).
+Communication per step is the bytes each GPU sends in its collectives (ring algorithms),
+on a two-level network: the mesh's axes are ordered (pp, dp_replicate, dp_shard, tp), tp
+innermost, so with G GPUs per node an axis whose group spans more than G consecutive ranks
+crosses nodes, and its collectives run at the inter-node bandwidth (see ``crossing_axes``).
 The ranking uses a simple time model (compute at a fixed fraction of peak, the pipeline
-bubble, communication not hidden by compute); it is a guide to what to measure first,
-not a promise. tests/test_planner.py checks the memory estimate against the tensors a
-real training step holds.
+bubble, the optimizer step, communication not hidden by compute, and TP's per-collective
+costs; the constants below, fitted to benchmarks/planner_measurements.json); it is a guide
+to what to measure first, not a promise. tests/test_planner.py checks the memory estimate
+against the tensors a real training step holds and the time estimate against the recorded
+throughputs.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 from distlm.config import ModelConfig
 
 GIB = 2 ** 30   # memory, as torch.cuda.max_memory_allocated / 2**30 reports it (bench)
 GB = 1e9        # communication volume and link speed
+
+# The time model's constants, fitted to benchmarks/planner_measurements.json (gpt2-1.5b on
+# 2 x H100, 2 x H200 and 4 x H200); tests/test_planner.py fails when an estimate drifts more
+# than 20% from a recorded throughput, so change them together with that file.
+MFU = 0.40
+# ^ what an unsplit layout's forward + backward reaches of dense peak: the 2-GPU runs measured
+#   40-43% all-in, the 4-GPU runs (2 micro-steps per GPU) about 30%; 0.40 sits between.
+DP_EXPOSED = 0.5
+# ^ FSDP/DDP and pipeline traffic overlaps the backward pass, but not all of it: the first
+#   all-gather and the last reduce-scatter of a step have nothing to hide behind, and the
+#   overlapped part takes SMs and memory bandwidth from the matmuls.
+STEP_OVERHEAD_S = 0.02
+# ^ what every step pays whatever its batch: gradient clipping's global norm (a host sync),
+#   the loss and metrics reduction, the Python around the micro-step loop. Partly a fit: it
+#   is what keeps FSDP4 on 4 GPUs, with the least work per step, within 20% of its record.
+OPTIMIZER_S_PER_PARAM = 2.9e-11
+# ^ fused AdamW is memory-bound (read and write parameter, gradient, two moments): 22.3 ms
+#   for the 0.78B parameters an H100 holds under FSDP2.
+TP_OPTIMIZER_SLOWDOWN = 9.4
+# ^ the same AdamW over TP's DTensor parameters took 209.5 ms instead of 22.3 (2 x H100, same
+#   parameter count per GPU): DTensor dispatch per parameter and per op, not bandwidth.
+TP_COLLECTIVES_PER_BLOCK = 8
+# ^ sequence parallelism puts an all-gather before, and a reduce-scatter after, attention and
+#   the MLP: 4 in the forward, their 4 transposes in the backward, each on the critical path.
+TP_COLLECTIVE_S = 250e-6
+# ^ what one of those costs beyond its bytes. NCCL's own latency is tens of microseconds; the
+#   rest is the DTensor redistribution around it and the graph break it puts in the compiled
+#   block (eager kernel launches, no fusion across it). Fitted with TP_SPLIT_EFFICIENCY to
+#   the TP runs, which were 2.4x slower than bytes / bandwidth predicts.
+TP_SPLIT_EFFICIENCY = 0.8
+# ^ compute efficiency kept per halving of the matmuls' width: smaller matmuls run further
+#   from peak.
 
 
 @dataclass
@@ -62,6 +100,11 @@ class Estimate:
     step_s: float
     bubble: float
     fits: bool
+    inter_gb: float = 0.0                 # of comm_gb, what crosses nodes
+    inter_axes: tuple[str, ...] = ()      # mesh axes whose collectives cross nodes
+    sent_gb: dict = field(default_factory=dict)   # comm_gb by mesh axis
+    nodes: int = 1
+    time_ms: dict = field(default_factory=dict)   # the step-time estimate's terms
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,11 +152,40 @@ def layer_split(m: ModelConfig, pp: int) -> int:
     return max(len(s) for s in split_layers(m, pp))
 
 
+MESH_AXES_INNER_FIRST = ("tp", "dp_shard", "dp_replicate", "pp")  # distlm.parallel.dims builds (pp, ..., tp)
+
+
+def crossing_axes(lay: Layout, gpus_per_node: int) -> tuple[str, ...]:
+    """The mesh axes whose groups leave a node. Ranks fill nodes in order and tp is the
+    innermost axis, so an axis's group spans its size times the sizes of the axes inside it
+    in consecutive ranks; past gpus_per_node (or straddling a node boundary) it crosses."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be at least 1")
+    out, inner = [], 1
+    for axis in MESH_AXES_INNER_FIRST:
+        k = getattr(lay, axis)
+        span = inner * k
+        if k > 1 and (span > gpus_per_node or gpus_per_node % span):
+            out.append(axis)
+        inner = span
+    return tuple(out)
+
+
 def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, gpu_mem_gb: float,
-             compute_bytes: int = 2, peak_tflops: float = 989.0, link_gbs: float = 150.0,
-             mfu: float = 0.45, sequence_parallel: bool = True, loss_parallel: bool = True) -> Estimate:
+             compute_bytes: int = 2, peak_tflops: float = 989.0, intra_gbs: float = 150.0,
+             inter_gbs: float = 25.0, gpus_per_node: Optional[int] = None, mfu: float = MFU,
+             sequence_parallel: bool = True, loss_parallel: bool = True,
+             link_gbs: Optional[float] = None) -> Estimate:
     """Memory per GPU on the busiest stage, communication and a step-time guess.
-    compute_bytes: 2 for bf16 autocast on GPUs, 4 for fp32 (CPU)."""
+    compute_bytes: 2 for bf16 autocast on GPUs, 4 for fp32 (CPU). intra_gbs / inter_gbs:
+    bus bandwidth per GPU inside a node (NVLink) and between nodes (its share of the NICs:
+    25 for 200 Gb/s per GPU); gpus_per_node defaults to every GPU of the layout in one node.
+    link_gbs is the former name of intra_gbs."""
+    intra_gbs = intra_gbs if link_gbs is None else link_gbs
+    for name, value in (("intra_gbs", intra_gbs), ("inter_gbs", inter_gbs), ("peak_tflops", peak_tflops),
+                        ("mfu", mfu)):
+        if not value > 0:
+            raise ValueError(f"{name}={value} must be positive")
     T, d, V = m.block_size, m.d_model, m.padded_vocab_size
     dp = lay.dp_replicate * lay.dp_shard
     t, shard = lay.tp, lay.dp_shard
@@ -145,44 +217,63 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     else:
         activations_gb = (per_layer * L * in_flight + logits) / GIB
     total = params_gb + grads_gb + optim_gb + buffers_gb + activations_gb
-    # communication per GPU per step (bytes sent), ring algorithms: 2(n-1)/n for all-reduce
-    comm = 0.0
-    if lay.dp_replicate > 1:
-        comm += 2 * (lay.dp_replicate - 1) / lay.dp_replicate * 4 * n_local / shard
+    # communication per GPU per step (bytes sent) on each axis's collectives, ring algorithms:
+    # 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter
+    sent = {}
+    if lay.dp_replicate > 1:  # under HSDP only the 1/dp_shard of the gradients each GPU owns
+        sent["dp_replicate"] = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * 4 * n_local / shard
     if shard > 1:
         gathers = 2 * n_mb if lay.pp == 1 else 2  # kept unsharded across a step's microbatches under PP
-        comm += (shard - 1) / shard * n_local * (compute_bytes * gathers + 4)
+        sent["dp_shard"] = (shard - 1) / shard * n_local * (compute_bytes * gathers + 4)
     if t > 1:  # 2 collectives forward + 2 backward per block, on the residual stream
-        comm += 4 * L * n_mb * 2 * (t - 1) / t * b * T * d * compute_bytes
+        sent["tp"] = 4 * L * n_mb * 2 * (t - 1) / t * b * T * d * compute_bytes
     if lay.pp > 1:
-        comm += 2 * n_mb * b * T * d * compute_bytes / (t if sequence_parallel and t > 1 else 1)
-    # time: compute at a fixed MFU, the bubble, then TP/PP traffic exposed and DP traffic
-    # half hidden behind the backward pass
+        sent["pp"] = 2 * n_mb * b * T * d * compute_bytes / (t if sequence_parallel and t > 1 else 1)
+    comm = sum(sent.values())
+    gpn = gpus_per_node or dp * t * lay.pp
+    crossing = crossing_axes(lay, gpn)
+    # a collective runs at the pace of the slowest link its group crosses
+    link_s = {axis: v / ((inter_gbs if axis in crossing else intra_gbs) * GB) for axis, v in sent.items()}
+    # time: a pipeline stage's work per step is its compute plus what TP puts on its critical
+    # path; the bubble stretches all of it. Then the optimizer, and DP/PP traffic partly
+    # hidden behind the backward pass.
     n_total = m.n_layer * (bs + br) + emb + head
     flops = (6 * n_total + 12 * m.n_layer * d * T) * global_batch * T
     compute_s = flops / (dp * t * lay.pp) / (peak_tflops * 1e12 * mfu)
     if lay.ac == "full":
         compute_s *= 4 / 3  # the forward again
+    compute_s /= TP_SPLIT_EFFICIENCY ** math.log2(t)
+    tp_latency_s = TP_COLLECTIVES_PER_BLOCK * L * n_mb * TP_COLLECTIVE_S if t > 1 else 0.0
     bubble = 0.0 if lay.pp == 1 else (lay.pp - 1) / (n_mb + lay.pp - 1) if lay.schedule != "naive" \
         else (lay.pp - 1) / lay.pp
-    tp_pp_bytes = (4 * L * n_mb * 2 * (t - 1) / t * b * T * d * compute_bytes if t > 1 else 0)
-    exposed = tp_pp_bytes / (link_gbs * GB) + 0.5 * (comm - tp_pp_bytes) / (link_gbs * GB)
-    step_s = compute_s / (1 - bubble) + exposed
+    stage_s = (compute_s + link_s.get("tp", 0.0) + tp_latency_s) / (1 - bubble)
+    optimizer_s = p_bytes / 4 * OPTIMIZER_S_PER_PARAM * (TP_OPTIMIZER_SLOWDOWN if t > 1 else 1)
+    hidden_s = DP_EXPOSED * sum(v for axis, v in link_s.items() if axis != "tp")
+    step_s = stage_s + optimizer_s + hidden_s + STEP_OVERHEAD_S
     est = Estimate(lay, params_gb, grads_gb, optim_gb, buffers_gb, activations_gb, total, comm / GB, step_s, bubble,
-                   total <= 0.92 * gpu_mem_gb)
+                   total <= 0.92 * gpu_mem_gb, inter_gb=sum(sent[a] for a in crossing if a in sent) / GB,
+                   inter_axes=tuple(a for a in crossing if a in sent), sent_gb={a: v / GB for a, v in sent.items()},
+                   nodes=max(1, math.ceil(dp * t * lay.pp / gpn)),
+                   time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
+                            "tp_latency": tp_latency_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
+                            "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
+                            "per_step": STEP_OVERHEAD_S * 1e3})
     est._tokens = global_batch * T
     return est
 
 
-def layouts(gpus: int, m: ModelConfig) -> list[Layout]:
+def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Layout]:
     """Every (dp_replicate, dp_shard, tp, pp) with product = gpus that the model allows,
-    each with and without full activation checkpointing."""
+    each with and without full activation checkpointing. Data parallelism is DDP or FSDP2
+    over all of it, and on several nodes also HSDP: dp_shard filling the rest of a node
+    (tp x dp_shard = gpus_per_node), dp_replicate across nodes."""
     out = []
     for tp, pp in itertools.product(range(1, gpus + 1), repeat=2):
         if gpus % (tp * pp) or m.n_head % tp or m.d_ff % tp or (pp > 1 and pp > m.n_layer):
             continue
         dp = gpus // (tp * pp)
-        for shard in [s for s in range(1, dp + 1) if dp % s == 0 and s in (1, dp)]:
+        in_node = gpus_per_node // tp if gpus_per_node and gpus_per_node % tp == 0 else 0
+        for shard in [s for s in range(1, dp + 1) if dp % s == 0 and s in (1, dp, in_node)]:
             for ac in ("none", "full"):
                 out.append(Layout(dp // shard, shard, tp, pp, ac))
     return out
@@ -226,15 +317,39 @@ def step_ms(seconds: float) -> str:
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
-def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_batch: int, **kw) -> list[Estimate]:
-    """All layouts, the ones that fit first, each group fastest first."""
+def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_batch: int,
+         gpus_per_node: Optional[int] = None, **kw) -> list[Estimate]:
+    """All layouts, the ones that fit first, each group fastest first. gpus_per_node: GPUs
+    that share a node's fast links (default: all); the rest of ``kw`` goes to ``estimate``."""
+    if gpus < 1:
+        raise ValueError(f"gpus={gpus} must be at least 1")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
+        raise ValueError(f"gpus_per_node={gpus_per_node} must divide gpus={gpus} (whole nodes)")
     ests = []
-    for lay in layouts(gpus, m):
+    for lay in layouts(gpus, m, gpus_per_node):
         dp = lay.dp_replicate * lay.dp_shard
         if global_batch % (dp * micro_batch):
             continue
-        ests.append(estimate(m, lay, global_batch, micro_batch, gpu_mem_gb, **kw))
+        ests.append(estimate(m, lay, global_batch, micro_batch, gpu_mem_gb, gpus_per_node=gpus_per_node, **kw))
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
+
+
+COLLECTIVES = {"dp_replicate": "gradient all-reduce (dp_replicate)",
+               "dp_shard": "FSDP all-gather + reduce-scatter (dp_shard)",
+               "tp": "TP all-gather + reduce-scatter (tp)", "pp": "pipeline send/recv (pp)"}
+
+
+def network_lines(e: Estimate) -> list[str]:
+    """Which of a layout's collectives cross nodes and which stay on a node's links."""
+    if e.nodes == 1 or not e.sent_gb:
+        return []
+    inside = [a for a in e.sent_gb if a not in e.inter_axes]
+    fmt = lambda axes: ", ".join(f"{COLLECTIVES[a]} {e.sent_gb[a]:.2f} GB" for a in axes)
+    out = [f"  across nodes: {fmt(e.inter_axes)} per GPU per step" if e.inter_axes
+           else f"  nothing crosses nodes: every collective stays inside a node of {e.nodes}"]
+    if inside:
+        out.append(f"  inside a node: {fmt(inside)}")
+    return out
 
 
 def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
@@ -254,16 +369,27 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
         why.append("  activation checkpointing recomputes the forward (~33% more compute) to fit")
     if lay.dp_shard > 1 and lay.dp_replicate == 1:
         why.append("  FSDP2 shards parameters, gradients and AdamW state, so each GPU holds 1/N of them")
+    if lay.dp_shard > 1 and lay.dp_replicate > 1:
+        why.append(f"  HSDP: FSDP2 over dp_shard={lay.dp_shard} inside a node, and only the all-reduce of each "
+                   f"GPU's 1/{lay.dp_shard} of the gradients over dp_replicate={lay.dp_replicate} crosses nodes")
+    why.extend(network_lines(best))
+    flat = next((e for e in ests if e.layout == Layout(1, lay.dp_replicate * lay.dp_shard, lay.tp, lay.pp, lay.ac,
+                                                        lay.schedule)), None)
+    if lay.dp_replicate > 1 and lay.dp_shard > 1 and flat is not None:
+        why.append(f"  flat {flat.layout.name} would send {flat.inter_gb:.2f} GB per GPU per step across nodes "
+                   f"(vs {best.inter_gb:.2f}): {step_ms(flat.step_s)} ms/step")
     return "\n".join(why)
 
 
 def format_table(ests: list[Estimate]) -> str:
     head = ("| layout | fits | params | grads | AdamW | FSDP buf | activations | total GiB | comm GB/step "
-            "| bubble | est. ms/step | est. tok/s |")
-    rows = [head, "|" + "---|" * 12]
+            "| inter-node GB/step | bubble | est. ms/step | est. tok/s |")
+    rows = [head, "|" + "---|" * 13]
     for e in ests:
+        # the axes named, so the column says which collectives pay the slow links
+        inter = f"{e.inter_gb:.2f} ({', '.join(e.inter_axes)})" if e.inter_axes else "0"
         rows.append(f"| {e.layout.name} | {'yes' if e.fits else 'no'} | {e.params_gb:.2f} | {e.grads_gb:.2f} | "
                     f"{e.optim_gb:.2f} | {e.buffers_gb:.2f} | {e.activations_gb:.2f} | {e.total_gb:.2f} | "
-                    f"{e.comm_gb:.2f} | {e.bubble:.0%} | {step_ms(e.step_s)} | {e.tokens_per_s:,.0f} |")
+                    f"{e.comm_gb:.2f} | {inter} | {e.bubble:.0%} | {step_ms(e.step_s)} | {e.tokens_per_s:,.0f} |")
     return "\n".join(rows)
 

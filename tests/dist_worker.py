@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from distlm.config import load_config
 from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims
-from distlm.parallel.grad import clip_grad_norm, offloaded_norm
+from distlm.parallel.grad import clip_grad_norm
 from distlm.train.optim import one_mesh_per_group
 from distlm.train.setup import build_model
 from distlm.train.trainer import Trainer
@@ -69,18 +69,45 @@ def _tied(gpt) -> bool | None:
 
 
 def norm_paths(trainer: Trainer) -> list[float]:
-    """One backward, then the gradient norm two ways: through DTensor (the GPU path) and
-    through offloaded_norm (the CPU-offload path, which only CUDA runs would reach)."""
+    """One backward, then the gradient norm two ways: clip_grad_norm's (local squares, one
+    all-reduce per group of gradients) and DTensor's own, gradient by gradient, with the
+    full values it reduces to."""
     x, y = trainer.loader.micro_batches(0)[0]
-    lm_loss(trainer.model(x), y).backward()
+    trainer.stepper.forward_backward([(x, y)], trainer.compute)  # under TP: inside loss_parallel
     params = [p for p in trainer.model.parameters() if p.grad is not None]
-    by_dtensor = float(clip_grad_norm(params, 0.0))
-    groups: dict = {}
+    by_dtensor = 0.0
     for p in params:
-        groups.setdefault(p.grad.device_mesh, []).append(p.grad)
-    by_hand = float(sum(offloaded_norm(g, mesh) ** 2 for mesh, g in groups.items()) ** 0.5)
+        n = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64)
+        by_dtensor += float(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
+    by_local = float(clip_grad_norm(params, 0.0))
     trainer.optimizer.zero_grad(set_to_none=True)
-    return [by_dtensor, by_hand]
+    return [by_local, by_dtensor ** 0.5]
+
+
+def update_collectives(trainer: Trainer) -> dict:
+    """One backward, then the collectives each phase of the update issues: reducing what
+    TP left as partial sums, the gradient norm, and the optimizer step (which should issue
+    none: hundreds of per-parameter all-reduces hid there). Counted by DTensor's
+    CommDebugMode, which sees c10d and functional collectives alike. The step runs at
+    learning rate 0 (weights unchanged); gradients and optimizer state are discarded after."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    rates = [g["lr"] for g in trainer.optimizer.param_groups]
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+    x, y = trainer.loader.micro_batches(0)[0]
+    trainer.stepper.forward_backward([(x, y)], trainer.compute)
+    counts = {}
+    for phase, fn in (("reduce", lambda: trainer.engine.finish_grad_reduction(trainer.optimizer)),
+                      ("clip", lambda: trainer.stepper.clip(1e9)),
+                      ("optimizer", lambda: trainer.optimizer.step())):
+        with CommDebugMode() as mode:
+            fn()
+        counts[phase] = mode.get_total_counts()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.optimizer.state.clear()
+    for g, lr in zip(trainer.optimizer.param_groups, rates):
+        g["lr"] = lr
+    return counts
 
 
 def _crash_after_save(trainer: Trainer) -> None:
@@ -109,8 +136,10 @@ def main(plan_path: str) -> None:
                 "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
         if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
             info.update(inspect_model(trainer))
-            if trainer.dims.dp_shard > 1 and trainer.stepper.parts is None and trainer.dims.tp == 1:
+            if (trainer.dims.dp_shard > 1 or trainer.dims.tp > 1) and trainer.stepper.parts is None:
                 info["grad_norms"] = norm_paths(trainer)
+            if trainer.dims.tp > 1 and trainer.stepper.parts is None:
+                info["update_collectives"] = update_collectives(trainer)
         trainer.train()
         info["tied_after_training"] = _tied(trainer.gpt)
         info["seconds"] = round(time.perf_counter() - t0, 2)

@@ -16,8 +16,9 @@ LAYERS = [
     ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint"),
     ("distlm.model",),
     ("distlm.parallel",),
-    ("distlm.tasks", "distlm.train", "distlm.interop"),
-    ("distlm.bench", "distlm.planner", "distlm.launch", "distlm.demo"),
+    # The planner's memory estimate picks the Trainer's auto micro-batch (train/fast_defaults.py).
+    ("distlm.tasks", "distlm.train", "distlm.interop", "distlm.planner"),
+    ("distlm.bench", "distlm.launch", "distlm.demo"),
     ("distlm.cli", "distlm.__main__"),
 ]
 

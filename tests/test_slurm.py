@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from distlm.launch.slurm import (LaunchError, expand_hostlist, gpus_per_node, parse_slurm_duration, run_finished,
-                                    seconds_left, slurm_env_lines, slurm_rendezvous)
+from distlm.launch.slurm import (LaunchError, dry_run_env, expand_hostlist, gpus_per_node, launch_env, node_command,
+                                    parse_slurm_duration, run_finished, seconds_left, slurm_env_lines, slurm_rendezvous)
 
 ROOT = Path(__file__).resolve().parent.parent
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -110,7 +111,7 @@ echo $$ > "$FAKE_LOG/srun.pid"
 while [[ "$1" == --* ]]; do shift; done
 case "$FAKE_SRUN" in
   noop) exit 0 ;;
-  *) SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@" ;;
+  *) SLURM_NODEID=${FAKE_NODEID:-0} SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@" ;;
 esac
 """,
     # scontrol requeue: record it and end the job's step, as SLURM would
@@ -154,8 +155,10 @@ def test_sbatch_trains_logs_the_job_and_does_not_requeue_a_finished_run(tmp_path
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     srun = (log / "srun.args").read_text()
-    for part in ("--ntasks-per-node=1", "log.name=gpt-4242", "train.resume=auto", "train.time_limit_s=3000"):
-        assert part in srun
+    assert "--ntasks-per-node=1" in srun and "exec-node" in srun
+    node0 = next(line for line in out.splitlines() if line.startswith("node 0 ("))  # what srun's task ran
+    for part in ("--node_rank 0", "log.name=gpt-4242", "train.resume=auto", "train.time_limit_s=3000"):
+        assert part in node0
     meta = json.loads((run / "slurm" / "job_4242_attempt_0.json").read_text())
     assert meta["SLURM_JOB_ID"] == "4242" and meta["rendezvous"]["MASTER_ADDR"] == "localhost"
     assert (run / "checkpoints" / "step_0000002" / "distlm.json").is_file()
@@ -202,3 +205,126 @@ def test_env_verb_under_torchrun_all_reduces():
     assert out.returncode == 0, out.stderr[-3000:]
     reports = json.loads(out.stdout)
     assert [r["rank"] for r in reports] == [0, 1] and all(r["all_reduce"]["ok"] for r in reports)
+
+
+# ---- what each node runs, and the dry run that prints it -------------------------------
+TWO_NODES = {**JOB, "SLURM_GPUS_ON_NODE": "4"}  # gpu[07-08], 4 GPUs each
+TRAIN = ["parallel.dp_shard=8", "train.global_batch_size=64", "train.micro_batch_size=8"]
+
+
+def test_node_command_is_torchrun_around_distlm_train():
+    env = {**TWO_NODES, **launch_env(TWO_NODES, left_s=3600, margin_s=600)}
+    assert node_command(env, 1, "py", "gpt2-124m", ["a.b=1"]) == [
+        "py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "4", "--node_rank", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu07:24242", "--rdzv-id", "distlm-4242", "-m", "distlm",
+        "train", "--config", "gpt2-124m", "log.root=runs", "log.name=gpt-4242", "train.resume=auto",
+        "train.time_limit_s=3000", "a.b=1"]
+    with pytest.raises(LaunchError, match="node rank 2 is outside 0..1"):
+        node_command(env, 2, "py", "gpt2-124m")
+    with pytest.raises(LaunchError, match="TIME_LIMIT_S"):
+        node_command({k: v for k, v in env.items() if k != "TIME_LIMIT_S"}, 0, "py", "gpt2-124m")
+
+
+def test_dry_run_env_stands_in_for_an_allocation():
+    env = dry_run_env({}, nodes=3, gpus=2)
+    r = slurm_rendezvous(env)
+    assert r["NNODES"] == 3 and r["NPROC_PER_NODE"] == 2 and r["NODES"] == "dryrun-node0 dryrun-node1 dryrun-node2"
+    with pytest.raises(LaunchError, match="--nodes 3, but SLURM_JOB_NODELIST='gpu\\[07-08\\]' names 2"):
+        dry_run_env(TWO_NODES, nodes=3)
+    with pytest.raises(LaunchError, match="--gpus-per-node"):
+        dry_run_env({}, nodes=2)
+    with pytest.raises(LaunchError, match="--nodes N"):
+        dry_run_env({}, gpus=2)
+
+
+def script(tmp_path: Path, args: list[str], slurm: dict, mode: str = "run") -> subprocess.CompletedProcess:
+    """The batch script under stub srun/scontrol/squeue, read through pipes as a user would;
+    PYTHON is a wrapper that records a torchrun command line instead of starting it."""
+    stubs, log = tmp_path / "bin", tmp_path / "log"
+    for folder in (stubs, log):
+        folder.mkdir(exist_ok=True)
+    for name, text in STUBS.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/bash
+if [ "$1 $2" = "-m torch.distributed.run" ]; then printf '%s\\n' "$@" > "$FAKE_LOG/torchrun.argv"; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                       "DISTLM_"))}
+    env.update(slurm, SLURM_SUBMIT_DIR=str(ROOT), PATH=f"{stubs}:{env['PATH']}", PYTHON=str(python),
+               FAKE_LOG=str(log), FAKE_SRUN=mode, DISTLM_RUN_ROOT=str(tmp_path / "runs"))
+    return subprocess.run(["bash", str(SBATCH), *args], env=env, cwd=tmp_path, text=True, capture_output=True,
+                          timeout=120)
+
+
+def commands(out: str) -> list[list[str]]:
+    return [shlex.split(line) for line in out.splitlines() if line and not line.startswith(("#", "export "))]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("how", ["--dry-run", "DISTLM_DRY_RUN=1"])
+def test_dry_run_prints_each_nodes_command_and_runs_nothing(tmp_path, how):
+    slurm = dict(TWO_NODES, **({"DISTLM_DRY_RUN": "1"} if how != "--dry-run" else {}))
+    out = script(tmp_path, [*(["--dry-run"] if how == "--dry-run" else []), "gpt2-124m", *TRAIN], slurm)
+    assert out.returncode == 0, out.stderr
+    argvs = commands(out.stdout)
+    assert [flag(a, "--node_rank") for a in argvs] == ["0", "1"]
+    for a in argvs:
+        assert a[1:4] == ["-m", "torch.distributed.run", "--nnodes"] and flag(a, "--nnodes") == "2"
+        assert flag(a, "--nproc_per_node") == "4" and flag(a, "--rdzv-endpoint") == "gpu07:24242"
+        assert a[a.index("train"):] == ["train", "--config", "gpt2-124m", f"log.root={tmp_path / 'runs'}",
+                                        "log.name=gpt-4242", "train.resume=auto", "train.time_limit_s=3000", *TRAIN]
+    assert len({flag(a, "--rdzv-id") for a in argvs}) == 1
+    assert "export MASTER_ADDR=gpu07" in out.stdout and "export OMP_NUM_THREADS=1" in out.stdout
+    log = tmp_path / "log"
+    assert not (log / "srun.args").exists() and not (log / "scontrol.log").exists()
+    assert not (log / "torchrun.argv").exists() and not (tmp_path / "runs").exists()
+
+
+def test_dry_run_without_slurm_takes_nodes_and_gpus(tmp_path):
+    out = script(tmp_path, ["--dry-run", "--nodes", "3", "--gpus-per-node=2", "gpt2-124m", "parallel.dp_shard=6",
+                            "train.global_batch_size=48", "train.micro_batch_size=8"], {})
+    assert out.returncode == 0, out.stderr
+    argvs = commands(out.stdout)
+    assert [flag(a, "--node_rank") for a in argvs] == ["0", "1", "2"]
+    assert {flag(a, "--rdzv-endpoint") for a in argvs} == {"dryrun-node0:20000"}
+    assert all(flag(a, "--nproc_per_node") == "2" and "train.time_limit_s=0" in a for a in argvs)
+
+
+@pytest.mark.parametrize("args,slurm,message", [
+    (["--dry-run", "--nodes", "0", "--gpus-per-node", "4", "gpt2-124m"], {}, "--nodes 0"),
+    (["--dry-run", "--nodes", "2", "--gpus-per-node", "4"], {}, "usage:"),
+    (["--dry-run", "--nodes", "2", "--gpus-per-node", "4", "no-such-config.yaml"], {}, "no-such-config.yaml"),
+    (["--dry-run", "--nodes", "2", "--gpus-per-node", "4", "gpt2-124m"], {}, "= 1, but the job has 8 GPUs"),
+    (["--dry-run", "--nodes", "3", "gpt2-124m", *TRAIN], TWO_NODES, "--nodes 3, but SLURM_JOB_NODELIST"),
+    (["--dry-run", "--nodes", "two", "gpt2-124m"], {}, "--nodes 'two'"),
+    (["--nodes", "2", "gpt2-124m"], TWO_NODES, "add --dry-run"),
+    (["--dry-run", "--frobnicate", "gpt2-124m"], TWO_NODES, "unknown option --frobnicate"),
+    (["gpt2-124m"], {**TWO_NODES, "DISTLM_DRY_RUN": "yes"}, "DISTLM_DRY_RUN=yes"),
+])
+def test_dry_run_rejects_bad_input_in_one_line(tmp_path, args, slurm, message):
+    out = script(tmp_path, args, slurm)
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert not (tmp_path / "log" / "srun.args").exists()
+
+
+@pytest.mark.parametrize("node", ["0", "1"])
+def test_the_launch_runs_what_the_dry_run_prints(tmp_path, node):
+    """The real path (srun -> exec-node on each node) execs node_command's argv: the stub
+    srun plays node ``node`` and the recorded torchrun argv equals the dry run's line."""
+    dry = script(tmp_path, ["--dry-run", "gpt2-124m", *TRAIN], TWO_NODES)
+    assert dry.returncode == 0, dry.stderr
+    expected = commands(dry.stdout)[int(node)]
+    real = script(tmp_path, ["gpt2-124m", *TRAIN], {**TWO_NODES, "FAKE_NODEID": node})
+    assert real.returncode == 0, real.stdout + real.stderr
+    ran = (tmp_path / "log" / "torchrun.argv").read_text().splitlines()
+    assert [str(tmp_path / "python"), *ran] == expected
+    assert f"node {node} (" in real.stderr  # each node logs its command before starting it
+    assert (tmp_path / "log" / "scontrol.log").read_text().split() == ["requeue", "4242"]  # unfinished: requeued

@@ -1,7 +1,11 @@
 """`distlm bench`: W warm-up steps, then M timed steps of the real Trainer.
 
-    distlm bench --config gpt2-124m-1024 data.source=synthetic train.compile=true
+    distlm bench --config gpt2-124m-1024 data.source=synthetic
     torchrun --nproc_per_node 2 -m distlm bench --config gpt2-124m-1024 parallel.dp_replicate=2 ...
+
+The Trainer resolves the auto settings (compile, its scope, loss chunking, micro-batch) for
+the device and layout (distlm/train/fast_defaults.py) and prints them; the result records
+the values that ran.
 
 Timing synchronizes the device before every clock read. Phases (data wait,
 forward+backward, optimizer) are timed with CUDA events on GPUs and the host clock on
@@ -151,6 +155,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
                   "params": trainer.stepper.num_params(trainer.gpt, cfg, non_embedding=False)},
         "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
         "accum_steps": trainer.loader.accum_steps, "compile": cfg.train.compile,
+        "compile_scope": cfg.train.compile_scope, "loss_chunk": cfg.model.loss_chunk,
         "activation_checkpoint": cfg.parallel.activation_checkpoint, "dtype": str(trainer.amp_dtype or "fp32"),
         "warmup_steps": warmup, "timed_steps": steps,
         "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_gpu": per_gpu,

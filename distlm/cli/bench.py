@@ -46,7 +46,10 @@ def bench(
 
     W warm-up steps, then M timed steps of the real training step, with a progress line per
     step on stderr. MFU = tokens/s per GPU x (6N + 12*L*d*T) / peak dense bf16 FLOP/s.
-    data.source=synthetic isolates model throughput from I/O. The run folder (under
+    data.source=synthetic isolates model throughput from I/O. train.compile,
+    train.compile_scope, model.loss_chunk and train.micro_batch_size default to auto: the
+    fastest that fits this device and layout, printed as one `fast defaults` line; a value
+    given on the command line is kept. The run folder (under
     runs/bench unless log.root says otherwise) is printed; JSON and Markdown are written
     only with --json / --results. On a CPU a GPU-sized model is refused (try --config tiny).
     """

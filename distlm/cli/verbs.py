@@ -189,26 +189,43 @@ def plan(
     micro_batch: Annotated[Optional[int], "sequences per forward (default: the config's)"] = None,
     dtype: Annotated[Literal["bf16", "fp32"], "activation dtype (fp32 on CPU)"] = "bf16",
     peak_tflops: Annotated[float, "for the time estimate (H100/H200 dense bf16)"] = 989.0,
-    link_gbs: Annotated[float, "GB/s per GPU of the interconnect, for the time estimate"] = 150.0,
+    link_gbs: Annotated[float, "GB/s per GPU inside a node (NVLink bus bandwidth), for the time estimate"] = 150.0,
+    gpus_per_node: Annotated[Optional[int], "GPUs per node (default: all --gpus in one node)"] = None,
+    inter_node_gbs: Annotated[float, "GB/s per GPU between nodes (25 for a 200 Gb/s NIC per GPU)"] = 25.0,
 ) -> int:
     """Memory and communication per GPU for every layout of N GPUs, ranked.
 
     For each (dp_replicate, dp_shard, tp, pp) layout, with and without activation
     checkpointing: parameters, gradients, AdamW state, FSDP buffers and activations per
     GPU, and bytes communicated per step; then a recommendation. Exit 1 when nothing fits.
+    With --gpus-per-node, the mesh's inner axes (tp, then dp_shard, dp_replicate, pp) stay
+    inside a node and the collectives of an axis that spans nodes run at --inter-node-gbs;
+    the table's inter-node column names those axes, and HSDP (dp_shard inside a node,
+    dp_replicate across) is among the layouts.
     """
     from distlm.planner import explain, format_table, plan as plan_layouts, skipped_layouts
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: must be at least 1")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
+        raise ConfigError(f"--gpus-per-node {gpus_per_node}: must divide --gpus {gpus} (whole nodes)")
+    for flag, value in (("--link-gbs", link_gbs), ("--inter-node-gbs", inter_node_gbs),
+                        ("--peak-tflops", peak_tflops)):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value:g}: must be positive")
     cfg = load_config(config, [*overrides, *([f"model.block_size={seq}"] if seq else [])])
     if cfg.model.vocab_size is None:
         cfg = updated(cfg, model={"vocab_size": 50257})  # GPT-2 BPE, what a preset trains on unless told otherwise
     gb = global_batch or cfg.train.global_batch_size
     mb = micro_batch or cfg.train.micro_batch_size
-    ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, peak_tflops=peak_tflops, link_gbs=link_gbs,
+    ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, peak_tflops=peak_tflops, intra_gbs=link_gbs,
+                        inter_gbs=inter_node_gbs, gpus_per_node=gpus_per_node,
                         compute_bytes=2 if dtype == "bf16" else 4)
     if not ests:
         raise ConfigError(f"no layout of {gpus} GPUs divides global batch {gb} into micro-batches of {mb}")
+    nodes = f", {gpus // gpus_per_node} nodes of {gpus_per_node} ({link_gbs:g} GB/s inside, {inter_node_gbs:g} " \
+            f"GB/s between, per GPU)" if gpus_per_node and gpus_per_node < gpus else ""
     print(f"{config or 'config'}: {cfg.model.n_layer} layers x {cfg.model.d_model}, T={cfg.model.block_size}, "
-          f"global batch {gb}, micro-batch {mb}, {gpus} GPUs x {gpu_mem_gb:g} GiB")
+          f"global batch {gb}, micro-batch {mb}, {gpus} GPUs x {gpu_mem_gb:g} GiB{nodes}")
     print(format_table(ests))
     for note in skipped_layouts(gpus, cfg.model):
         print(note)

@@ -1,7 +1,14 @@
 """SLURM glue: the allocation -> torchrun rendezvous, requeue bookkeeping.
 
     sbatch scripts/slurm/train.sbatch configs/gpt2-355m.yaml [section.key=value ...]
-    python -m distlm.launch.slurm slurm-env           # KEY=VALUE lines for the batch script
+    bash scripts/slurm/train.sbatch --dry-run --nodes 2 --gpus-per-node 4 CONFIG [overrides]
+    python -m distlm.launch.slurm slurm-env           # export lines for the batch script
+    python -m distlm.launch.slurm exec-node --python P CONFIG [overrides]   # what srun runs per node
+    python -m distlm.launch.slurm dry-run [--nodes N] [--gpus-per-node G] --python P CONFIG [overrides]
+
+What a node runs is ``node_command``: the real launch (exec-node, on every node under srun)
+and the dry run (every node's command printed, nothing started) both call it, so the dry
+run shows what will run.
 
 Everything SLURM-specific is a pure function of an environment mapping, so it is unit
 tested with fake variables (tests/test_slurm.py) on machines that have no SLURM.
@@ -17,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 # Variables worth keeping with a run: what ran where, and which attempt this was.
 SLURM_META_KEYS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES",
@@ -123,15 +130,130 @@ def seconds_left(env: Mapping[str, str], now: Optional[float] = None) -> Optiona
     return parse_slurm_duration(out.splitlines()[0] if out.strip() else "")
 
 
-def slurm_env_lines(env: Mapping[str, str], margin_s: float = 600) -> list[str]:
-    """``export KEY=VALUE`` lines (shell-quoted) for ``eval`` in the batch script; srun
-    passes exported variables on to every node. TIME_LIMIT_S is
-    what train.time_limit_s should be so the trainer stops and checkpoints ``margin_s``
-    before SLURM kills the job (0 = no limit known)."""
+def launch_env(env: Mapping[str, str], left_s: Optional[float], margin_s: float = 600) -> dict[str, str]:
+    """What the batch script exports before srun (which passes it on to every node): the
+    rendezvous, the run folder, and TIME_LIMIT_S, what train.time_limit_s should be so the
+    trainer stops and checkpoints ``margin_s`` before SLURM kills the job (``left_s``: wall
+    time left, None = unknown or unlimited, giving 0 = no limit). A requeued job keeps its
+    id, so it finds its run folder again."""
     r = slurm_rendezvous(env)
-    left = seconds_left(env)
-    r["TIME_LIMIT_S"] = 0 if left is None else max(60, int(left - margin_s))
-    return [f"export {k}={shlex.quote(str(v))}" for k, v in r.items()]
+    r["TIME_LIMIT_S"] = 0 if left_s is None else max(60, int(left_s - margin_s))
+    root = env.get("DISTLM_RUN_ROOT") or "runs"
+    name = env.get("DISTLM_RUN_NAME") or f"{env.get('SLURM_JOB_NAME') or 'distlm'}-{env['SLURM_JOB_ID']}"
+    # one thread per trainer process unless told: several per GPU oversubscribe the cores
+    r.update(RUN_ROOT=root, RUN_NAME=name, RUN_DIR=f"{root}/{name}", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS") or 1,
+             PYTHONUNBUFFERED=1)
+    return {k: str(v) for k, v in r.items()}
+
+
+def slurm_env_lines(env: Mapping[str, str], margin_s: float = 600) -> list[str]:
+    """``export KEY=VALUE`` lines (shell-quoted) of ``launch_env`` for ``eval`` in the batch script."""
+    return [f"export {k}={shlex.quote(v)}" for k, v in launch_env(env, seconds_left(env), margin_s).items()]
+
+
+# launch_env's keys that node_command reads
+NODE_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC_PER_NODE", "RDZV_ID", "RUN_ROOT", "RUN_NAME",
+             "TIME_LIMIT_S")
+
+
+def node_command(env: Mapping[str, str], node_rank: int, python: str, config: str,
+                 overrides: Sequence[str] = ()) -> list[str]:
+    """The argv node ``node_rank`` runs: one torchrun for this node's GPUs, meeting the
+    others at the c10d rendezvous, around ``distlm train`` writing to the run folder,
+    resuming from its newest checkpoint and stopping by TIME_LIMIT_S. ``env`` holds
+    ``launch_env``'s variables (on a node: the batch script's exports)."""
+    missing = [k for k in NODE_KEYS if not env.get(k)]
+    if missing:
+        raise LaunchError(f"{', '.join(missing)} not set: the batch script exports them "
+                          "(python -m distlm.launch.slurm slurm-env)")
+    nnodes = int(env["NNODES"])
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"node rank {node_rank} is outside 0..{nnodes - 1} (NNODES={nnodes})")
+    return [python, "-m", "torch.distributed.run", "--nnodes", env["NNODES"], "--nproc_per_node",
+            env["NPROC_PER_NODE"], "--node_rank", str(node_rank), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", "--rdzv-id", env["RDZV_ID"],
+            "-m", "distlm", "train", "--config", config, f"log.root={env['RUN_ROOT']}",
+            f"log.name={env['RUN_NAME']}", "train.resume=auto", f"train.time_limit_s={env['TIME_LIMIT_S']}",
+            *overrides]
+
+
+def dry_run_env(env: Mapping[str, str], nodes: Optional[int] = None, gpus: Optional[int] = None) -> dict[str, str]:
+    """The SLURM variables a dry run plans with: the allocation's where set, else a made-up
+    job of ``nodes`` hosts (dryrun-node0...) and ``gpus`` per node; given values must agree
+    with an allocation's."""
+    out = dict(env)
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus)):
+        if value is not None and value < 1:
+            raise LaunchError(f"{flag} {value}: must be at least 1")
+    listed = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if listed:
+        hosts = expand_hostlist(listed)
+        if nodes is not None and nodes != len(hosts):
+            raise LaunchError(f"--nodes {nodes}, but SLURM_JOB_NODELIST={listed!r} names {len(hosts)} hosts")
+    elif nodes is None:
+        raise LaunchError("give --nodes N: SLURM_JOB_NODELIST is not set (not inside an allocation)")
+    else:
+        out["SLURM_JOB_NODELIST"] = f"dryrun-node[0-{nodes - 1}]"
+        out["SLURM_JOB_NUM_NODES"] = str(nodes)
+    if gpus is not None:
+        out["DISTLM_NPROC_PER_NODE"] = str(gpus)
+    elif not any(_count(env.get(k)) for k in ("DISTLM_NPROC_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")):
+        raise LaunchError("give --gpus-per-node G: none of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, "
+                          "DISTLM_NPROC_PER_NODE is set")
+    out.setdefault("SLURM_JOB_ID", "dryrun")
+    out.pop("SLURM_NODEID", None)  # srun sets it per node
+    return out
+
+
+def dry_run(env: Mapping[str, str], python: str, config: str, overrides: Sequence[str], nodes: Optional[int] = None,
+            gpus: Optional[int] = None, margin_s: float = 600) -> str:
+    """What every node of the job would run, as shell text: the exported environment, then
+    one command line per node (shlex-quoted: paste one to run it by hand). Checks the
+    config and that the parallel degrees multiply to nodes x GPUs, as the trainer would."""
+    in_job = bool(env.get("SLURM_JOB_ID"))
+    plan_env = dry_run_env(env, nodes, gpus)
+    left = seconds_left(plan_env) if in_job else None  # a made-up job has no clock
+    exports = launch_env(plan_env, left, margin_s)
+    _check_world(config, overrides, int(exports["NNODES"]) * int(exports["NPROC_PER_NODE"]))
+    node_env = {**plan_env, **exports}
+    hosts = exports["NODES"].split()
+    limit = exports["TIME_LIMIT_S"]
+    lines = [f"# dry run: {exports['NNODES']} node(s) x {exports['NPROC_PER_NODE']} GPU(s), rendezvous "
+             f"{exports['MASTER_ADDR']}:{exports['MASTER_PORT']}, run {exports['RUN_DIR']}, train.time_limit_s={limit}"
+             + ("" if in_job else " (no job, no time limit)") + "; srun and scontrol are not run",
+             "# environment on every node (the batch script exports it; srun passes it on):"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in exports.items()]
+    for rank, host in enumerate(hosts):
+        lines.append(f"# node {rank} ({host}), srun task with SLURM_NODEID={rank}:")
+        lines.append(shlex.join(node_command(node_env, rank, python, config, overrides)))
+    return "\n".join(lines)
+
+
+def _check_world(config: str, overrides: Sequence[str], world: int) -> None:
+    """The config loads and its parallel degrees fill nodes x GPUs: a dry run's main catch."""
+    from distlm.config import load_config
+    try:
+        par = load_config(config, list(overrides)).parallel
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        raise LaunchError(str(e).splitlines()[0]) from None
+    product = par.dp_replicate * par.dp_shard * par.tp * par.pp
+    if product != world:
+        raise LaunchError(f"parallel.dp_replicate={par.dp_replicate} x dp_shard={par.dp_shard} x tp={par.tp} x "
+                          f"pp={par.pp} = {product}, but the job has {world} GPUs (nodes x GPUs per node)")
+
+
+def exec_node(env: Mapping[str, str], python: str, config: str, overrides: Sequence[str]) -> None:
+    """srun's task on each node: log this node's command, then become it (torchrun then gets
+    srun's signals directly)."""
+    if not env.get("SLURM_NODEID", "").isdigit():
+        raise LaunchError(f"SLURM_NODEID={env.get('SLURM_NODEID')!r}: exec-node runs as an srun task")
+    rank = int(env["SLURM_NODEID"])
+    argv = node_command(env, rank, python, config, overrides)
+    print(f"node {rank} ({socket.gethostname()}): {shlex.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        raise LaunchError(f"cannot run {argv[0]}: {e.strerror}") from None
 
 
 def write_slurm_meta(run_dir: Path, env: Mapping[str, str]) -> Path:
@@ -156,13 +278,47 @@ def run_finished(run_dir: Path) -> bool:
     return int(meta["step"]) >= int(meta["config"]["train"]["max_steps"])
 
 
+def _launch_args(args: list[str]) -> tuple[dict, str, list[str]]:
+    """[--python P] [--nodes N] [--gpus-per-node G] [--margin S] [--] CONFIG [overrides]: the
+    options, the config, the overrides (the batch script passes them in this order)."""
+    opts, names = {}, {"--python": str, "--nodes": int, "--gpus-per-node": int, "--margin": float}
+    while args and args[0].startswith("--"):
+        flag, _, value = args.pop(0).partition("=")
+        if flag == "--" and not value:
+            break
+        if flag not in names:
+            raise LaunchError(f"unknown option {flag} (options: {', '.join(names)})")
+        if not value:
+            if not args:
+                raise LaunchError(f"{flag} needs a value")
+            value = args.pop(0)
+        try:
+            opts[flag] = names[flag](value)
+        except ValueError:
+            raise LaunchError(f"{flag} {value!r}: not a number") from None
+    if not args:
+        raise LaunchError("no CONFIG given (a config file or preset, then section.key=value overrides)")
+    return opts, args[0], args[1:]
+
+
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m distlm.launch.slurm {slurm-env [MARGIN_S] | slurm-meta RUN_DIR | finished RUN_DIR}"
-    if not argv or argv[0] not in ("slurm-env", "slurm-meta", "finished"):
+    usage = ("usage: python -m distlm.launch.slurm {slurm-env [MARGIN_S] | slurm-meta RUN_DIR | finished RUN_DIR | "
+             "exec-node --python P CONFIG [overrides] | dry-run [--nodes N] [--gpus-per-node G] [--python P] "
+             "[--margin S] CONFIG [overrides]}")
+    if not argv or argv[0] not in ("slurm-env", "slurm-meta", "finished", "exec-node", "dry-run"):
         print(usage, file=sys.stderr)
         return 2
     try:
-        if argv[0] == "slurm-env":
+        if argv[0] in ("exec-node", "dry-run"):
+            opts, config, overrides = _launch_args(list(argv[1:]))
+            python = opts.get("--python") or sys.executable
+            if argv[0] == "exec-node":
+                if "--nodes" in opts or "--gpus-per-node" in opts:
+                    raise LaunchError("--nodes and --gpus-per-node are for dry-run; srun's task takes the allocation's")
+                exec_node(os.environ, python, config, overrides)
+            print(dry_run(os.environ, python, config, overrides, opts.get("--nodes"), opts.get("--gpus-per-node"),
+                          opts.get("--margin", 600)))
+        elif argv[0] == "slurm-env":
             print("\n".join(slurm_env_lines(os.environ, float(argv[1]) if len(argv) > 1 else 600)))
         elif argv[0] == "slurm-meta":
             print(write_slurm_meta(Path(argv[1]), os.environ))

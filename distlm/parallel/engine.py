@@ -35,7 +35,10 @@ class TorchEngine:
         return optimizer
 
     def finish_grad_reduction(self, optimizer) -> None:
-        """DDP and FSDP2 have reduced the gradients by the end of the backward."""
+        """DDP and FSDP2 have reduced the gradients by the end of the backward; what TP
+        leaves as partial sums (see ``reduce_partial_grads``) is reduced here, once."""
+        from distlm.parallel.grad import reduce_partial_grads
+        reduce_partial_grads(p for group in optimizer.param_groups for p in group["params"])
 
     def optimizer_step(self, optimizer) -> None:
         optimizer.step()

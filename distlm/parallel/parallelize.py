@@ -17,12 +17,19 @@ from distlm.parallel.dims import ParallelDims
 from distlm.parallel.step import PipelineStep, PlainStep
 
 
-def apply_compile(model: nn.Module, scope: str = "block", mode: str = "default") -> None:
+def apply_compile(model: nn.Module, scope: str = "block", mode: str = "default", static: bool = False) -> None:
     """Per block by default: blocks are identical, so one graph is compiled and reused,
     and FSDP2's per-block hooks stay outside the compiled region. ``scope="model"``
     compiles the whole forward as one graph (embedding, blocks, head), so the compiler can
-    fuse across block edges too; one GPU or DDP only (config validation says so)."""
+    fuse across block edges too; one GPU or DDP only (config validation says so).
+    ``static``: one graph per input shape, for inputs whose shape changes on purpose (the
+    sequence warm-up's rows)."""
     kw = {} if mode == "default" else {"mode": mode}
+    if static:
+        # Else dynamo's "automatic dynamic" recompiles the second shape it sees with a symbolic
+        # sequence length, and every later step, the full-length ones included, runs kernels
+        # that are not specialised for it.
+        kw["dynamic"] = False
     if scope == "model":
         model.compile(**kw)
         return
@@ -64,7 +71,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     if pcfg.activation_checkpoint != "none":
         apply_activation_checkpointing(model, pcfg.activation_checkpoint)
     if cfg.train.compile:
-        apply_compile(model, cfg.train.compile_scope, cfg.train.compile_mode)
+        apply_compile(model, cfg.train.compile_scope, cfg.train.compile_mode, static=cfg.train.seq_warmup_steps > 0)
     if parts is not None:
         parts.refresh_views()  # the views must hold the wrapped blocks
     # With TP or PP, replication goes through FSDP2 too (a (dp_replicate, dp_shard) mesh

@@ -33,8 +33,11 @@ MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # The training tokens: which folder (or mixture), real or synthetic.
     "data": ("dir", "source", "mix"),
     # The data order is a function of (seed, step, global batch); the restored optimizer
-    # state belongs to one optimizer.
-    "train": ("seed", "global_batch_size", "optimizer"),
+    # state belongs to one optimizer. The sequence warm-up cuts those batches into rows by
+    # step: another one changes what the run's early steps trained on (their examples and
+    # contexts), and one changed mid-run would send a model already on full blocks back to
+    # short rows, unlike extending a learning-rate schedule.
+    "train": ("seed", "global_batch_size", "optimizer", "seq_warmup_steps", "seq_warmup_start"),
     # A language model and a classifier, or two poolings, are different models.
     "task": ("name", "attention", "pooling"),
 }

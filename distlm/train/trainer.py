@@ -25,6 +25,7 @@ from distlm.model.gpt import flops_per_token
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
+from distlm.train.fast_defaults import fast_defaults
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
                                  stop_reason)
 from distlm.train.logger import RunLogger, console_line, log_interval
@@ -34,6 +35,7 @@ from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.runlock import RunLock
 from distlm.train.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_at
+from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.setup import autocast_dtype, build_model, compute_context, resolve_device
 
 
@@ -49,7 +51,12 @@ class Trainer:
         self.task = build_task(cfg)
         # The config is resolved against the data once, here, and frozen from then on.
         resolved = self.task.resolve(cfg, self.comm, self.dims.is_main)
-        self.cfg, self.manifest, self.data_dir = resolved.cfg, resolved.manifest, resolved.data_dir
+        # The autos (compile, its scope, loss chunking, micro-batch) take this device's and
+        # layout's values before anything is built, so config.yaml records what ran.
+        fast = fast_defaults(resolved.cfg, self.device, self.dims, self.comm)
+        if fast.line and self.dims.is_main:
+            print(fast.line, flush=True)
+        self.cfg, self.manifest, self.data_dir = fast.cfg, resolved.manifest, resolved.data_dir
         cfg = self.cfg
         self.amp_dtype = autocast_dtype(cfg, self.device)
         if self.device.type == "cuda":
@@ -64,6 +71,7 @@ class Trainer:
         self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
+        self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
         self.stepper.bind(self.task, cfg, self.dims, self.device, self.loader.accum_steps)
         self.step = 0
         self.tokens_seen = 0
@@ -157,8 +165,10 @@ class Trainer:
         mark = mark or (lambda phase: None)
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.train)
-        micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                 for x, y in self.loader.next()]
+        # self.step is the step being trained (it advances at the end): a resumed run cuts
+        # the same rows at the same steps.
+        micro = [self.seq_schedule.apply(self.step, x.to(self.device, non_blocking=True),
+                                         y.to(self.device, non_blocking=True)) for x, y in self.loader.next()]
         mark("data")
         loss_mean = self.comm.mean(self.stepper.forward_backward(micro, self.compute, sync_grads))
         mark("forward_backward")
@@ -273,8 +283,8 @@ class Trainer:
         self.model.train()
         try:
             while self.step < cfg.train.max_steps:
-                for event in self.loader.epoch_events(self.step) if main else ():
-                    say(event)  # a source starts repeating its data
+                for event in self.loader.epoch_events(self.step) + self.seq_schedule.events(self.step) if main else ():
+                    say(event)  # a source starts repeating its data; the warm-up's rows grow
                 loss, grad_norm = self.train_step()
                 watchdog.arm(self.step)  # armed after the first step: compilation may take minutes
                 if bar is not None:

@@ -1,0 +1,176 @@
+"""The settings whose fastest value depends on the machine, chosen once the machine is known.
+
+train.compile, train.compile_scope, model.loss_chunk and train.micro_batch_size default to
+auto (None in the config tree: distlm/config.py ``auto``). The Trainer turns each auto into a
+value here, after the device and the layout are known and before anything is built, so the
+run's config.yaml and its checkpoints record what ran; an explicit value is kept. On one
+H100, gpt2-124m-1024 trains at 486k tok/s with what auto picks there (compiled as one graph,
+loss_chunk=8192, micro-batch 64) against 399k with only train.compile=true, and eager is
+about 30% slower again. On a CPU auto is what distlm did before auto existed (eager, whole
+logits, micro-batch 8), so CPU results do not move.
+
+``choose`` is the rule: a pure function of the config, a ``Device`` description and the
+layout. ``fast_defaults`` measures the device (collective: the least free memory over the
+ranks, so that every rank picks the same micro-batch) and returns the choice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from distlm.config import Config, ConfigError, updated
+from distlm.planner import GIB, Estimate, Layout, estimate
+
+# The chunk measured fastest with the whole forward compiled (benchmarks/RESULTS.md: 8192
+# beat 4096 and the whole logits on H100 and H200).
+LOSS_CHUNK = 8192
+# gpt2-124m-1024's fastest measured micro-batch on one H100; past it a larger one buys no
+# speed there, only memory.
+GPU_MICRO_CAP = 64
+# The default before auto: CPU runs keep their accumulation, and so their numbers.
+CPU_MICRO_CAP = 8
+# A micro-batch is taken when the planner's estimate is at most this share of the free
+# memory: the estimate is within 25% of the measured peak (tests/test_planner.py), and the
+# allocator's fragmentation and the compiler's workspaces are not in it.
+HEADROOM = 0.75
+# The vocabulary a synthetic run trains on, for an estimate made before it is known.
+GPT2_VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the choice needs to know of the device: its type, and on CUDA the GiB of memory
+    this process may still use (after other processes and any per-process cap)."""
+    type: str
+    free_gib: float = 0.0
+
+    @classmethod
+    def measure(cls, device, comm=None) -> "Device":
+        if device.type != "cuda":
+            return cls(device.type)
+        import torch
+        free, total = torch.cuda.mem_get_info(device)
+        # `distlm bench --memory-cap-gib` caps the allocator below what the card has free.
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        usable = min(free, fraction * total) / GIB
+        if comm is not None:
+            usable = -float(comm.max(torch.tensor([-usable], device=device, dtype=torch.float64))[0])
+        return cls("cuda", usable)
+
+
+@dataclass(frozen=True)
+class Choice:
+    cfg: Config                                  # every auto replaced by a value
+    chosen: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value, only what was auto
+    estimate: Optional[Estimate] = None          # of the micro-batch chosen, on CUDA
+    fits: bool = True                            # False: not even micro-batch 1 fits the estimate
+    line: Optional[str] = None                   # what rank 0 prints; None when nothing was auto
+
+
+def choose(cfg: Config, dev: Device, dims) -> Choice:
+    """Each auto of ``cfg`` made a value for ``dev`` and the layout ``dims`` (a ParallelDims,
+    or anything with its degrees and world_size):
+
+        train.compile          on CUDA, off on CPU
+        train.compile_scope    model (the whole forward one graph) on 1 GPU, DDP or Horovod;
+                               block with FSDP2, TP or PP, which split the forward
+        model.loss_chunk       LOSS_CHUNK on CUDA where the model computes its own loss (a
+                               language model without TP or PP), else 0
+        train.micro_batch_size the largest divisor of the local batch up to GPU_MICRO_CAP
+                               whose memory estimate fits (under PP, one that gives a whole
+                               number of microbatches per stage where one fits); on CPU the
+                               largest up to CPU_MICRO_CAP
+    """
+    t, m = cfg.train, cfg.model
+    cuda = dev.type == "cuda"
+    unsplit = dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1
+    chosen: dict[str, Any] = {}
+    if t.compile is None:
+        chosen["train.compile"] = cuda
+    if t.compile_scope is None:
+        chosen["train.compile_scope"] = "model" if unsplit else "block"
+    if m.loss_chunk is None:
+        own_loss = dims.tp == 1 and dims.pp == 1 and cfg.task.name == "lm"
+        chosen["model.loss_chunk"] = LOSS_CHUNK if cuda and own_loss else 0
+    cfg = _with(cfg, chosen)
+    est, fits = None, True
+    if t.micro_batch_size is None:
+        micro, est, fits = _micro_batch(cfg, dev, dims)
+        chosen["train.micro_batch_size"] = micro
+        cfg = _with(cfg, chosen)
+    return Choice(cfg, chosen, est, fits, _line(chosen, dev, dims, est, fits) if chosen else None)
+
+
+def fast_defaults(cfg: Config, device, dims, comm=None) -> Choice:
+    """The Trainer's call, once the device and the layout are known and before the model is
+    built. Collective (every rank must call it) when the micro-batch is auto on CUDA."""
+    needs_memory = device.type == "cuda" and cfg.train.micro_batch_size is None
+    dev = Device.measure(device, comm if dims.world_size > 1 else None) if needs_memory else Device(device.type)
+    return choose(cfg, dev, dims)
+
+
+def _with(cfg: Config, chosen: dict[str, Any]) -> Config:
+    sections: dict[str, dict] = {}
+    for key, value in chosen.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return updated(cfg, **sections)
+
+
+def _micro_batch(cfg: Config, dev: Device, dims) -> tuple[int, Optional[Estimate], bool]:
+    t, p = cfg.train, cfg.parallel
+    if t.global_batch_size % dims.dp_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
+                          f"degree {dims.dp_size}, so that every rank gets a whole local batch")
+    local = t.global_batch_size // dims.dp_size
+    if dev.type != "cuda":
+        return max(d for d in range(1, min(local, CPU_MICRO_CAP) + 1) if local % d == 0), None, True
+    sizes = [d for d in range(min(local, GPU_MICRO_CAP), 0, -1) if local % d == 0]
+    if dims.pp > 1 and p.pp_microbatches:
+        # The schedule cuts the local batch into pp_microbatches pieces whatever the loader
+        # hands it: micro-batches of that size are the ones that run.
+        sizes = [local // p.pp_microbatches]
+    elif dims.pp > 1:
+        # Fewer microbatches than stages leaves stages idle for most of the step, and the
+        # interleaved schedules take a multiple of the stage count.
+        sizes = [d for d in sizes if (local // d) % dims.pp == 0] or sizes
+    est = None
+    for micro in sizes:
+        est = memory_estimate(cfg, dev, dims, micro)
+        if est.total_gb <= HEADROOM * dev.free_gib:
+            return micro, est, True
+    return sizes[-1], est, False
+
+
+def memory_estimate(cfg: Config, dev: Device, dims, micro: int) -> Estimate:
+    """The planner's memory per GPU (distlm/planner.py) for this config, layout and micro-batch;
+    ``cfg.model.loss_chunk`` must be a value (the logits held depend on it)."""
+    p = cfg.parallel
+    model = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=GPT2_VOCAB)
+    # selective checkpointing keeps half the blocks' activations: counted as none, the safe side
+    lay = Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
+                 ac="full" if p.activation_checkpoint == "full" else "none", schedule=p.pp_schedule)
+    from distlm.train.setup import autocast_dtype
+    compute_bytes = 2 if autocast_dtype(cfg, dev) is not None else 4
+    return estimate(model, lay, cfg.train.global_batch_size, micro, dev.free_gib, compute_bytes=compute_bytes,
+                    sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+
+
+def _show(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _line(chosen: dict[str, Any], dev: Device, dims, est: Optional[Estimate], fits: bool) -> str:
+    n = dims.world_size
+    unit = ("GPU", "GPUs") if dev.type == "cuda" else ("process", "processes")
+    where = f"{dev.type}, {n} {unit[n > 1]}"
+    if n > 1:
+        where += ", " + Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp).name
+    text = f"fast defaults ({where}): " + ", ".join(f"{k}={_show(v)}" for k, v in chosen.items())
+    if est is not None:
+        text += f" (est. {est.total_gb:.1f} GiB of {dev.free_gib:.3g} GiB free)"
+        if not fits:
+            text += (f"; even this is more than {HEADROOM:.0%} of the free memory: `distlm plan` shows the layouts "
+                     f"that fit")
+    return text
