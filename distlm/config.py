@@ -175,6 +175,8 @@ class ParallelConfig:
     timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
     sequence_parallel: bool = doc(True, "TP: norms and dropout on a slice of the sequence (less memory, same math)")
     loss_parallel: bool = doc(True, "TP: cross-entropy on vocabulary shards; the full logits never exist")
+    async_tp: bool = doc(False, "TP: overlap the sequence-parallel all-gathers and reduce-scatters with the "
+                                "matmuls (compiled, CUDA, symmetric memory)")
     pp_schedule: str = choice("1f1b", "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                               help="naive = one microbatch, no overlap (the baseline the others beat)")
     pp_microbatches: int = doc(0, "PP: microbatches per step; 0 = local batch / train.micro_batch_size")
@@ -413,6 +415,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches}: the local batch "
                               f"(train.global_batch_size={t.global_batch_size} / data-parallel degree {dp}) must "
                               f"split into equal microbatches")
+    if p.async_tp and (p.tp == 1 or not p.sequence_parallel or t.compile is False):
+        raise ConfigError("parallel.async_tp pipelines TP's sequence-parallel collectives inside compiled blocks: "
+                          f"it needs parallel.tp > 1 (got {p.tp}), parallel.sequence_parallel=true (got "
+                          f"{str(p.sequence_parallel).lower()}) and train.compile not false")
     # compile=auto is on wherever a GPU is: an explicit scope=model is refused with it too.
     if t.compile is not False and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
         raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "

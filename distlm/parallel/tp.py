@@ -109,6 +109,27 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
     return model
 
 
+def enable_async_tp(tp_mesh) -> None:
+    """Async TP: inductor rewrites each all-gather -> matmul and matmul -> reduce-scatter
+    of the compiled blocks into micro-pipelined kernels that copy one peer's chunk over
+    NVLink (symmetric memory, peer-to-peer; no NVLink multicast) while multiplying the
+    chunk already here, so TP's collectives hide behind its matmuls instead of sitting on
+    the critical path (four per block per pass).
+
+    The switch is inductor's process-wide config flag: torch offers no per-model one. It
+    only changes graphs that contain such patterns, i.e. TP's."""
+    if tp_mesh.device_type != "cuda":
+        from distlm.config import ConfigError
+        raise ConfigError("parallel.async_tp needs CUDA GPUs (it uses symmetric memory); "
+                          "leave it off on CPU")
+    import torch._inductor.config as inductor_config
+    import torch.distributed._symmetric_memory as symm_mem
+    inductor_config._micro_pipeline_tp = True
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed up to torch 2.8-ish; later versions find the group themselves
+        enable(tp_mesh.get_group().group_name)
+
+
 def replicate_rest(model: nn.Module, tp_mesh) -> None:
     """Make every parameter the plan left plain (a learned position table; norms without
     SP) a replicated DTensor, computing on local tensors as before. Then every parameter is

@@ -4,10 +4,12 @@ train.compile, train.compile_scope, model.loss_chunk and train.micro_batch_size 
 auto (None in the config tree: distlm/config.py ``auto``). The Trainer turns each auto into a
 value here, after the device and the layout are known and before anything is built, so the
 run's config.yaml and its checkpoints record what ran; an explicit value is kept. On one
-H100, gpt2-124m-1024 trains at 486k tok/s with what auto picks there (compiled as one graph,
-loss_chunk=8192, micro-batch 64) against 399k with only train.compile=true, and eager is
-about 30% slower again. On a CPU auto is what distlm did before auto existed (eager, whole
-logits, micro-batch 8), so CPU results do not move.
+H100 (torch 2.11), `distlm bench --config gpt2-124m-1024 data.source=synthetic` ran at 477k
+tok/s with what auto picks there (the whole forward one graph, loss_chunk=8192, micro-batch
+64, est. 27.1 GiB, peak 29.8 GiB) against 443k with what the same command plus
+train.compile=true ran before (per-block graphs, whole logits, the preset's micro-batch 16).
+On a CPU auto is what distlm did before auto existed (eager, whole logits, micro-batch 8),
+so CPU results do not move.
 
 ``choose`` is the rule: a pure function of the config, a ``Device`` description and the
 layout. ``fast_defaults`` measures the device (collective: the least free memory over the
@@ -22,11 +24,11 @@ from typing import Any, Optional
 from distlm.config import Config, ConfigError, updated
 from distlm.planner import GIB, Estimate, Layout, estimate
 
-# The chunk measured fastest with the whole forward compiled (benchmarks/RESULTS.md: 8192
-# beat 4096 and the whole logits on H100 and H200).
+# benchmarks/RESULTS.md: with the whole forward compiled, as fast as 4096 and as the whole
+# logits (within 0.4%), with 11-14% less peak memory; the best single-GPU figure used it.
 LOSS_CHUNK = 8192
-# gpt2-124m-1024's fastest measured micro-batch on one H100; past it a larger one buys no
-# speed there, only memory.
+# The micro-batch of gpt2-124m-1024's fastest measurements on one GPU; nothing larger was
+# measured faster, and a larger one only holds more activations.
 GPU_MICRO_CAP = 64
 # The default before auto: CPU runs keep their accumulation, and so their numbers.
 CPU_MICRO_CAP = 8
