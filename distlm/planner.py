@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from distlm.config import ModelConfig
 
@@ -32,36 +32,53 @@ GIB = 2 ** 30   # memory, as torch.cuda.max_memory_allocated / 2**30 reports it 
 GB = 1e9        # communication volume and link speed
 
 # The time model's constants, fitted to benchmarks/planner_measurements.json (gpt2-1.5b on
-# 2 x H100, 2 x H200 and 4 x H200); tests/test_planner.py fails when an estimate drifts more
-# than 20% from a recorded throughput, so change them together with that file.
+# 2 x H100, 2 x H200 and 4 x H200; gpt2-124m on two 1-GPU "nodes"); tests/test_planner.py
+# fails when an estimate drifts more than 20% from a recorded throughput (entries marked
+# "superseded" measured code that has since changed, and are not held to it), so change
+# them together with that file.
 MFU = 0.40
 # ^ what an unsplit layout's forward + backward reaches of dense peak: the 2-GPU runs measured
-#   40-43% all-in, the 4-GPU runs (2 micro-steps per GPU) about 30%; 0.40 sits between.
-DP_EXPOSED = 0.5
+#   40-43% all-in on H200 and 35-40% on H100, the 4-GPU runs (2 micro-steps per GPU) about
+#   30%; 0.40 sits between.
+DP_EXPOSED = 0.75
 # ^ FSDP/DDP and pipeline traffic overlaps the backward pass, but not all of it: the first
 #   all-gather and the last reduce-scatter of a step have nothing to hide behind, and the
-#   overlapped part takes SMs and memory bandwidth from the matmuls.
+#   overlapped part takes SMs and memory bandwidth from the matmuls. Measured where the
+#   bytes dominate: DDP2 of gpt2-124m across two "nodes" at 2.0 GB/s left 188.7 ms of its
+#   249 ms all-reduce (0.50 GB / 2.0 GB/s) exposed, 0.76. On NVLink the term is at most 8%
+#   of a recorded step (FSDP2's 15.6 GB per step), and 0.75 keeps every record within 20%
+#   (0.5, the earlier guess, put that two-node run at 1.26x its throughput).
 STEP_OVERHEAD_S = 0.02
 # ^ what every step pays whatever its batch: gradient clipping's global norm (a host sync),
-#   the loss and metrics reduction, the Python around the micro-step loop. Partly a fit: it
-#   is what keeps FSDP4 on 4 GPUs, with the least work per step, within 20% of its record.
-OPTIMIZER_S_PER_PARAM = 2.9e-11
-# ^ fused AdamW is memory-bound (read and write parameter, gradient, two moments): 22.3 ms
-#   for the 0.78B parameters an H100 holds under FSDP2.
-TP_OPTIMIZER_SLOWDOWN = 9.4
-# ^ the same AdamW over TP's DTensor parameters took 209.5 ms instead of 22.3 (2 x H100, same
-#   parameter count per GPU): DTensor dispatch per parameter and per op, not bandwidth.
+#   the loss and metrics reduction, the Python around the micro-step loop. Partly a fit: the
+#   runs with the least work per step bound it, FSDP4 on 4 GPUs and above all gpt2-124m DDP2
+#   on NVLink (a 53.6 ms step, of which 10 ms exposed communication the bandwidth term does
+#   not see), which leaves the 20% band without it and again at 0.03 s.
+OPTIMIZER_S_PER_PARAM = 3.9e-11
+# ^ fused AdamW is memory-bound (read and write parameter, gradient, two moments): 30.6 ms
+#   for the 0.78B parameters an H100 holds under FSDP2 (torch 2.11, the call that measured
+#   the TP2 optimizer below; an earlier FSDP2 record measured 22.3 ms).
+TP_OPTIMIZER_SLOWDOWN = 2.0
+# ^ TP2's optimizer step took 62.3 ms against FSDP2's 30.6 in the same call, for the same
+#   parameter count per GPU: TP steps each matrix's shard and the replicated norms and
+#   biases as separate DTensors (more, smaller tensors than FSDP2's flat half). Since the
+#   partial-sum gradients are reduced once in the backward, the step issues no collective;
+#   before that it took 185.7-209.5 ms (the old 9.4, from the superseded records).
 TP_COLLECTIVES_PER_BLOCK = 8
 # ^ sequence parallelism puts an all-gather before, and a reduce-scatter after, attention and
 #   the MLP: 4 in the forward, their 4 transposes in the backward, each on the critical path.
-TP_COLLECTIVE_S = 250e-6
+TP_COLLECTIVE_S = 440e-6
 # ^ what one of those costs beyond its bytes. NCCL's own latency is tens of microseconds; the
-#   rest is the DTensor redistribution around it and the graph break it puts in the compiled
-#   block (eager kernel launches, no fusion across it). Fitted with TP_SPLIT_EFFICIENCY to
-#   the TP runs, which were 2.4x slower than bytes / bandwidth predicts.
-TP_SPLIT_EFFICIENCY = 0.8
-# ^ compute efficiency kept per halving of the matmuls' width: smaller matmuls run further
-#   from peak.
+#   rest is the DTensor redistribution around it, the graph break it puts in the compiled
+#   block (eager kernel launches, no fusion across it) and the wait for the slower rank.
+#   Fitted to TP2 on 2 x H100 after the gradient fix (2,550.8 ms per step): its profile had
+#   3,070 ms of communication kernels per step (summed over streams) against 807 ms of
+#   compute kernels, so the collectives, not the matmuls or the optimizer, set its pace.
+TP_SPLIT_EFFICIENCY = 1.0
+# ^ compute efficiency kept per halving of the matmuls' width. The same profile shows none
+#   lost at TP2 (width 1600 -> 800): matmul, attention and element-wise kernels took 807 ms,
+#   where this model's unsplit compute is 851 ms (the earlier 0.8 was a fit that the
+#   collective cost now carries). Unmeasured at tp >= 4, where narrower matmuls may lose some.
 
 
 @dataclass
@@ -105,6 +122,7 @@ class Estimate:
     sent_gb: dict = field(default_factory=dict)   # comm_gb by mesh axis
     nodes: int = 1
     time_ms: dict = field(default_factory=dict)   # the step-time estimate's terms
+    micro_batch: int = 0                          # sequences per forward the estimate is for
 
     @property
     def tokens_per_s(self) -> float:
@@ -257,7 +275,7 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
                    time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
                             "tp_latency": tp_latency_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
                             "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
-                            "per_step": STEP_OVERHEAD_S * 1e3})
+                            "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch)
     est._tokens = global_batch * T
     return est
 
@@ -317,10 +335,17 @@ def step_ms(seconds: float) -> str:
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
-def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_batch: int,
-         gpus_per_node: Optional[int] = None, **kw) -> list[Estimate]:
+def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_batch: Optional[int],
+         gpus_per_node: Optional[int] = None,
+         resolve: Optional[Callable[[Layout], tuple[ModelConfig, int]]] = None, **kw) -> list[Estimate]:
     """All layouts, the ones that fit first, each group fastest first. gpus_per_node: GPUs
-    that share a node's fast links (default: all); the rest of ``kw`` goes to ``estimate``."""
+    that share a node's fast links (default: all); the rest of ``kw`` goes to ``estimate``.
+    resolve: the model and micro-batch for a layout, where they depend on it (an auto
+    micro-batch: `distlm plan` passes distlm.train.fast_defaults' choice, which this module
+    cannot import); it replaces ``m`` and ``micro_batch``, and is asked only about layouts
+    whose data-parallel degree divides the global batch."""
+    if resolve is None and not micro_batch:
+        raise ValueError("micro_batch is required unless resolve picks one per layout")
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be at least 1")
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
@@ -328,9 +353,12 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
     ests = []
     for lay in layouts(gpus, m, gpus_per_node):
         dp = lay.dp_replicate * lay.dp_shard
-        if global_batch % (dp * micro_batch):
+        if global_batch % dp:
             continue
-        ests.append(estimate(m, lay, global_batch, micro_batch, gpu_mem_gb, gpus_per_node=gpus_per_node, **kw))
+        model, micro = resolve(lay) if resolve is not None else (m, micro_batch)
+        if global_batch % (dp * micro):
+            continue
+        ests.append(estimate(model, lay, global_batch, micro, gpu_mem_gb, gpus_per_node=gpus_per_node, **kw))
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
@@ -355,7 +383,7 @@ def network_lines(e: Estimate) -> list[str]:
 def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
     lay = best.layout
     why = [f"recommended: {lay.name} ({lay.overrides() or 'no parallel.* settings'})"]
-    why.append(f"  fits: {best.total_gb:.1f} GiB of {gpu_mem_gb:.0f} GiB per GPU "
+    why.append(f"  fits: {best.total_gb:.1f} GiB of {gpu_mem_gb:.0f} GiB per GPU at micro-batch {best.micro_batch} "
                f"(params {best.params_gb:.1f}, grads {best.grads_gb:.1f}, AdamW {best.optim_gb:.1f}, "
                f"activations {best.activations_gb:.1f})")
     fits = [e for e in ests if e.fits]
@@ -382,14 +410,15 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
 
 
 def format_table(ests: list[Estimate]) -> str:
-    head = ("| layout | fits | params | grads | AdamW | FSDP buf | activations | total GiB | comm GB/step "
-            "| inter-node GB/step | bubble | est. ms/step | est. tok/s |")
-    rows = [head, "|" + "---|" * 13]
+    head = ("| layout | micro-batch | fits | params | grads | AdamW | FSDP buf | activations | total GiB "
+            "| comm GB/step | inter-node GB/step | bubble | est. ms/step | est. tok/s |")
+    rows = [head, "|" + "---|" * 14]
     for e in ests:
         # the axes named, so the column says which collectives pay the slow links
         inter = f"{e.inter_gb:.2f} ({', '.join(e.inter_axes)})" if e.inter_axes else "0"
-        rows.append(f"| {e.layout.name} | {'yes' if e.fits else 'no'} | {e.params_gb:.2f} | {e.grads_gb:.2f} | "
-                    f"{e.optim_gb:.2f} | {e.buffers_gb:.2f} | {e.activations_gb:.2f} | {e.total_gb:.2f} | "
-                    f"{e.comm_gb:.2f} | {inter} | {e.bubble:.0%} | {step_ms(e.step_s)} | {e.tokens_per_s:,.0f} |")
+        rows.append(f"| {e.layout.name} | {e.micro_batch} | {'yes' if e.fits else 'no'} | {e.params_gb:.2f} | "
+                    f"{e.grads_gb:.2f} | {e.optim_gb:.2f} | {e.buffers_gb:.2f} | {e.activations_gb:.2f} | "
+                    f"{e.total_gb:.2f} | {e.comm_gb:.2f} | {inter} | {e.bubble:.0%} | {step_ms(e.step_s)} | "
+                    f"{e.tokens_per_s:,.0f} |")
     return "\n".join(rows)
 

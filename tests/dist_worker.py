@@ -110,14 +110,19 @@ def update_collectives(trainer: Trainer) -> dict:
     return counts
 
 
-def _crash_after_save(trainer: Trainer) -> None:
+def _crash_after_save(trainer: Trainer, hang: bool = False) -> None:
     """Rank 1 dies right after the first checkpoint, as a lost GPU would; torchrun
-    --max_restarts then starts every worker again, and train.resume=auto continues."""
+    --max_restarts then starts every worker again, and train.resume=auto continues.
+    ``hang``: rank 1 stops instead, so that the test can kill its whole node (agent and
+    worker, SIGKILL) as a lost host goes: an agent whose worker merely fails shuts the
+    rendezvous down cleanly, which no replacement node could join."""
     save = trainer.save
 
     def save_then_crash(*args, **kwargs):
         path = save(*args, **kwargs)
         if trainer.dims.rank == 1:
+            if hang:
+                time.sleep(600)
             os._exit(3)
         return path
     trainer.save = save_then_crash
@@ -132,6 +137,10 @@ def main(plan_path: str) -> None:
         trainer = Trainer(cfg)
         if job.get("crash_after_first_save") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             _crash_after_save(trainer)
+        # A replacement node's agent starts its count at 0 too: DISTLM_TEST_NO_CRASH marks it.
+        if job.get("hang_after_first_save") and os.environ.get("DISTLM_TEST_NO_CRASH") != "1" \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            _crash_after_save(trainer, hang=True)
         info = {"start_step": trainer.step, "resumed_from": str(trainer.resumed_from or ""),
                 "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
         if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups

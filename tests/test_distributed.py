@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,62 @@ def test_two_node_c10d_rendezvous_through_cli(root, reference):
                       "-m", "distlm", "train", *args) for i in range(2)]
     check(procs, root / "launch_two_node.log")
     assert_matches(root / "two_node", reference)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc (children before their own children)."""
+    parent = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                parent[int(p)] = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def test_a_replaced_node_rejoins_and_the_run_resumes(root, reference):
+    """Node 1 is lost after the step-3 checkpoint: its agent and worker get SIGKILL, as a
+    host that dies. A new agent for node 1 is started, as a scheduler would on a spare host.
+    Node 0's agent sees its worker fail, restarts it, both meet in the next rendezvous round,
+    and resume=auto carries the run to the reference's last step.
+
+    The new agent's restart count starts at 0 while node 0's is 1. With torch's default
+    (one TCP store shared across rounds) the survivor never republishes the store's address
+    and the new node waits forever (seen on CPU and on 2 x H100); one store per round
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the SLURM launch sets) lets them meet."""
+    import signal
+    endpoint = f"127.0.0.1:{free_port()}"
+    plan = root / "plan_replaced.json"
+    out = root / "results_replaced.json"
+    job = {"name": "replaced", "hang_after_first_save": True,
+           "overrides": overrides(root, "replaced", "parallel.dp_shard=2", "train.resume=auto")}
+    plan.write_text(json.dumps({"out": str(out), "jobs": [job]}))
+
+    def agent(node: int, **env) -> subprocess.Popen:
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=replaced",
+                f"--rdzv-conf=is_host={int(node == 0)},join_timeout=60", "--max_restarts=1", str(WORKER), str(plan)]
+        return subprocess.Popen(args, cwd=ROOT, env={**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    node0, lost = agent(0), agent(1)
+    deadline = time.monotonic() + 180
+    while not ckpt(root, "replaced").is_dir():  # renamed into place once complete
+        assert time.monotonic() < deadline and node0.poll() is None, "no checkpoint from the two-node run"
+        time.sleep(0.2)
+    # torchrun starts each worker in a session of its own: the node is its agent and those
+    for pid in [*descendants(lost.pid), lost.pid]:
+        os.kill(pid, signal.SIGKILL)
+    lost.communicate()
+    replacement = agent(1, DISTLM_TEST_NO_CRASH="1")
+    check([node0, replacement], root / "launch_replaced.log")
+    results = json.loads(out.read_text())["replaced"]
+    assert {r["start_step"] for r in results} == {SAVE_AT}
+    assert_matches(root / "replaced", reference)

@@ -20,7 +20,7 @@ from distlm.config import load_config
 from distlm.model.gpt import GPT
 from distlm.model.loss import lm_loss
 from distlm.parallel.parallelize import apply_activation_checkpointing
-from distlm.planner import Layout, crossing_axes, estimate, layouts, plan
+from distlm.planner import COLLECTIVES, Layout, crossing_axes, estimate, explain, layouts, plan
 
 SMALL = ["model.vocab_size=512", "model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.d_ff=512",
          "model.block_size=128"]
@@ -82,6 +82,7 @@ def test_plan_command_prints_a_ranked_table_and_a_recommendation(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "layout" not in line]
     assert len(rows) == len(layouts(4, load_config("gpt2-1.5b", ["model.n_head=20"]).model))
+    assert all(row.split("|")[2].strip() == "8" for row in rows)  # the micro-batch column: --micro-batch as given
     assert "recommended:" in out and "parallel." in out.split("recommended:")[1]
 
 
@@ -99,6 +100,9 @@ def test_plan_rejects_a_split_the_model_cannot_take(capsys):
 
 MEASUREMENTS = Path(__file__).resolve().parent.parent / "benchmarks" / "planner_measurements.json"
 RECORDS = json.loads(MEASUREMENTS.read_text())
+# Entries that measured code since changed (TP before its gradient fix) stay in the file for the
+# record but are not held to the time model, which describes the current code.
+CURRENT = [r for r in RECORDS if not r.get("superseded")]
 REQUIRED = {"name", "card", "gpus", "gpus_per_node", "config", "overrides", "global_batch", "micro_batch", "layout",
             "tok_s", "source"}
 
@@ -112,7 +116,9 @@ def test_measurements_file_is_well_formed():
         assert set(lay) == {"dp_replicate", "dp_shard", "tp", "pp"}, r["name"]
         assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] == r["gpus"], r["name"]
         assert r["gpus"] % r["gpus_per_node"] == 0, r["name"]
-    names = {(r["card"], tuple(sorted((k, v) for k, v in r["layout"].items() if v > 1))) for r in RECORDS}
+        if r.get("superseded"):
+            assert r["superseded"] is True and len(r.get("superseded_note", "")) > 20, r["name"]
+    names = {(r["card"], tuple(sorted((k, v) for k, v in r["layout"].items() if v > 1))) for r in CURRENT}
     assert ("NVIDIA H100 80GB HBM3", (("tp", 2),)) in names and ("NVIDIA H100 80GB HBM3", (("dp_shard", 2),)) in names
 
 
@@ -123,7 +129,7 @@ def estimate_record(r: dict):
                     gpus_per_node=r["gpus_per_node"], **knobs)
 
 
-@pytest.mark.parametrize("record", RECORDS, ids=[r["name"] for r in RECORDS])
+@pytest.mark.parametrize("record", CURRENT, ids=[r["name"] for r in CURRENT])
 def test_time_estimate_within_20_percent_of_recorded_throughput(record):
     est = estimate_record(record)
     ratio = est.tokens_per_s / record["tok_s"]
@@ -135,9 +141,54 @@ def test_time_estimate_within_20_percent_of_recorded_throughput(record):
 def test_tp_pays_more_than_its_bytes():
     """The old model charged TP only bytes / bandwidth and put TP2 at 2.4x its measured
     throughput; the per-collective cost must stay the larger part of what TP adds."""
-    tp2 = next(r for r in RECORDS if r["layout"]["tp"] == 2 and r["gpus"] == 2)
+    tp2 = next(r for r in CURRENT if r["layout"]["tp"] == 2 and r["gpus"] == 2)
     est = estimate_record(tp2)
     assert est.time_ms["tp_latency"] > est.time_ms["tp_comm"] > 0
+
+
+def record(name: str) -> dict:
+    return next(r for r in RECORDS if r["name"] == name)
+
+
+TP2_AFTER = "gpt2-1.5b TP2 (SP + loss parallel), 2 x H100, after the gradient fix"
+TWO_NODES = "gpt2-124m-1024 DDP2, two 1-GPU nodes on one host (network path)"
+ONE_LAUNCHER = "gpt2-124m-1024 DDP2, 2 x H100, one launcher (NVLink)"
+
+
+@pytest.mark.parametrize("rec", [r for r in CURRENT if "measured_fwd_bwd_ms" in r], ids=lambda r: r["name"])
+def test_terms_match_the_measured_phases(rec):
+    """Where a record has bench's split of the step (forward/backward + optimizer, the JSON's
+    phases), the optimizer term is held to the measured optimizer phase (20%), and the memory
+    estimate to bench's peak (25%, as on CPU). The older FSDP2 H100 record's 22.3 ms came
+    without that split and from another call; OPTIMIZER_S_PER_PARAM follows the newer one."""
+    est = estimate_record(rec)
+    assert est.time_ms["optimizer"] == pytest.approx(rec["measured_optimizer_ms"], rel=0.2), rec["name"]
+    assert est.total_gb == pytest.approx(rec["measured_peak_gib"], rel=0.25), rec["name"]
+
+
+def test_tp2_is_bound_by_its_collectives_as_profiled():
+    """TP2's profile after the gradient fix: 807 ms of compute kernels, 3,070 ms of collectives,
+    a 62 ms optimizer. The estimate must say the same: compute near the kernels' time, the
+    collectives' terms larger than it, the optimizer a small part."""
+    rec = record(TP2_AFTER)
+    prof, est = rec["measured_profile_ms"], estimate_record(rec).time_ms
+    kernels = sum(prof[k] for k in ("matmul", "fused element-wise", "eager element-wise", "attention"))
+    assert est["compute"] == pytest.approx(kernels, rel=0.2)
+    assert est["tp_comm"] + est["tp_latency"] > 1.5 * est["compute"] > 10 * est["optimizer"]
+    # the step the fix replaced spent 3x longer in the optimizer than the model now allows
+    before = record("gpt2-1.5b TP2 (SP + loss parallel), 2 x H100, before the gradient fix")
+    assert before["superseded"] and est["optimizer"] < before["measured_optimizer_ms"] / 2.5
+
+
+def test_inter_node_model_against_two_nodes_on_one_host():
+    """DDP2 of gpt2-124m with its gradient all-reduce on NCCL's network path (2.0 GB/s) against
+    the same run over NVLink: the exposed communication and the slowdown the planner predicts."""
+    two, one = record(TWO_NODES), record(ONE_LAUNCHER)
+    est_two, est_one = estimate_record(two), estimate_record(one)
+    assert est_two.inter_axes == ("dp_replicate",) and est_two.nodes == 2 and not est_one.inter_axes
+    assert est_two.time_ms["dp_pp_exposed"] == pytest.approx(two["measured_exposed_comm_ms"], rel=0.2)
+    slowdown, measured = est_one.tokens_per_s / est_two.tokens_per_s, one["tok_s"] / two["tok_s"]
+    assert slowdown == pytest.approx(measured, rel=0.2), (slowdown, measured)
 
 
 @pytest.mark.parametrize("lay,gpn,axes", [
@@ -162,6 +213,7 @@ def test_hsdp_keeps_fsdp_traffic_inside_a_node():
     # only the all-reduce of each GPU's half of the gradients leaves the node
     assert hsdp.inter_gb == pytest.approx(hsdp.sent_gb["dp_replicate"]) and hsdp.inter_gb < fsdp.inter_gb / 3
     assert hsdp.step_s < fsdp.step_s
+    assert "across nodes: gradient all-reduce (dp_replicate)" in explain(hsdp, [hsdp, fsdp], 80)
     one_node = [e for e in plan(m, 4, 80, 64, 8, gpus_per_node=4)]
     assert one_node and all(e.inter_gb == 0 and not e.inter_axes for e in one_node)
     # on one node FSDP4 is not slowed by the network, so it is the one ahead
@@ -193,11 +245,66 @@ def test_plan_command_names_the_collectives_that_cross_nodes(capsys):
     assert float(hsdp[col].split()[0]) < float(fsdp[col].split()[0])
     names = list(rows)
     assert names.index("ddp2xfsdp2") < names.index("fsdp4")  # ranked ahead across slow links
-    assert "2 nodes of 2" in out and "across nodes: gradient all-reduce (dp_replicate)" in out
+    best = out.split("recommended: ")[1].split()[0]  # the explanation names what its row's column does
+    axes = rows[best][col].split("(")[1].rstrip(")").split(", ")
+    assert "2 nodes of 2" in out and f"across nodes: {COLLECTIVES[axes[0]]}" in out
     assert main([*args, "--gpus-per-node", "4"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert all(r[col] == "0" for r in rows.values()) and "ddp2xfsdp2" not in rows and "across nodes" not in out
+
+
+def auto_micro(local: int, pp: int) -> int:
+    """What the auto micro-batch must be where everything fits: the largest divisor of the
+    local batch up to 64, under PP one that leaves a multiple of pp microbatches."""
+    sizes = [d for d in range(min(local, 64), 0, -1) if local % d == 0]
+    return next((d for d in sizes if (local // d) % pp == 0), sizes[0])
+
+
+@pytest.mark.parametrize("gpus,gpn", [(2, None), (4, 2)])
+def test_plan_command_picks_an_auto_micro_batch_per_layout(gpus, gpn, capsys):
+    """gpt2-124m-1024 leaves train.micro_batch_size auto; `distlm plan` used to crash on it.
+    Each layout gets what `distlm train` would pick on that GPU, and says so."""
+    cfg = load_config("gpt2-124m-1024", [])
+    assert cfg.train.micro_batch_size is None and cfg.model.loss_chunk is None
+    args = ["plan", "--config", "gpt2-124m-1024", "--gpus", str(gpus), *(["--gpus-per-node", str(gpn)] if gpn else [])]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "global batch 64, micro-batch auto" in out and "at most 75% of 80 GiB" in out
+    head = next(line for line in out.splitlines() if line.startswith("| layout"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    micro, total = cols.index("micro-batch"), cols.index("total GiB")
+    rows = table_rows(out)
+    lays = {lay.name: lay for lay in layouts(gpus, cfg.model, gpn)}
+    assert set(rows) == set(lays)
+    for name, row in rows.items():  # 80 GiB holds every layout's largest candidate
+        lay = lays[name]
+        assert int(row[micro]) == auto_micro(64 // (lay.dp_replicate * lay.dp_shard), lay.pp), name
+        assert float(row[total]) <= 0.75 * 80, name
+    if gpus == 2:
+        assert (rows["ddp2"][micro], rows["tp2"][micro], rows["pp2"][micro]) == ("32", "64", "32")
+        # the memory is the estimate fast_defaults makes, its loss_chunk (8192 where the model computes
+        # its own loss) included, not the whole logits of an unresolved auto
+        from distlm.parallel.dims import ParallelDims
+        from distlm.train.fast_defaults import Device, choose
+        c = choose(cfg, Device("cuda", 80.0), ParallelDims(2, 1, 1, 1, world_size=2))
+        assert c.cfg.model.loss_chunk == 8192 and float(rows["ddp2"][total]) == round(c.estimate.total_gb, 2)
+    else:
+        assert "2 nodes of 2" in out and rows["ddp2xfsdp2"][micro] == "16" and rows["tp4"][micro] == "64"
+    best = out.split("recommended:")[1]
+    assert f"at micro-batch {rows[best.split()[0]][micro]} " in best
+    # less memory, smaller micro-batches: the rule reads --gpu-mem-gb
+    assert main([*args, "--gpu-mem-gb", "16"]) == 0
+    small = table_rows(capsys.readouterr().out)
+    tp = f"tp{gpus}"
+    assert int(small[tp][micro]) < int(rows[tp][micro]) and float(small[tp][total]) <= 0.75 * 16
+    assert all(int(small[n][micro]) <= int(rows[n][micro]) for n in rows)
+
+
+def test_plan_needs_a_micro_batch_or_a_rule():
+    m = load_config("gpt2-124m-1024", []).model
+    with pytest.raises(ValueError, match="micro_batch is required"):
+        plan(m, 2, 80, 64, None)
 
 
 def test_plan_command_rejects_bad_network_values(capsys):

@@ -186,7 +186,8 @@ def plan(
     gpu_mem_gb: Annotated[float, "GiB per GPU (an 80 GB H100 has 79.6)"] = 80.0,
     seq: Annotated[Optional[int], "sequence length (default: model.block_size)"] = None,
     global_batch: Annotated[Optional[int], "sequences per step (default: the config's)"] = None,
-    micro_batch: Annotated[Optional[int], "sequences per forward (default: the config's)"] = None,
+    micro_batch: Annotated[Optional[int], "sequences per forward (default: the config's; if auto, per layout "
+                                          "what `distlm train` would pick on --gpu-mem-gb)"] = None,
     dtype: Annotated[Literal["bf16", "fp32"], "activation dtype (fp32 on CPU)"] = "bf16",
     peak_tflops: Annotated[float, "for the time estimate (H100/H200 dense bf16)"] = 989.0,
     link_gbs: Annotated[float, "GB/s per GPU inside a node (NVLink bus bandwidth), for the time estimate"] = 150.0,
@@ -201,9 +202,14 @@ def plan(
     With --gpus-per-node, the mesh's inner axes (tp, then dp_shard, dp_replicate, pp) stay
     inside a node and the collectives of an axis that spans nodes run at --inter-node-gbs;
     the table's inter-node column names those axes, and HSDP (dp_shard inside a node,
-    dp_replicate across) is among the layouts.
+    dp_replicate across) is among the layouts. The settings `distlm train` makes on the
+    device (an auto micro-batch, model.loss_chunk) are made per layout by the same rule
+    (distlm/train/fast_defaults.py), as for a GPU with --gpu-mem-gb free; the table's
+    micro-batch column says which each layout got.
     """
+    from distlm.parallel.dims import ParallelDims
     from distlm.planner import explain, format_table, plan as plan_layouts, skipped_layouts
+    from distlm.train.fast_defaults import GPU_MICRO_CAP, HEADROOM, Device, choose
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be at least 1")
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
@@ -216,16 +222,31 @@ def plan(
     if cfg.model.vocab_size is None:
         cfg = updated(cfg, model={"vocab_size": 50257})  # GPT-2 BPE, what a preset trains on unless told otherwise
     gb = global_batch or cfg.train.global_batch_size
-    mb = micro_batch or cfg.train.micro_batch_size
-    ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, peak_tflops=peak_tflops, intra_gbs=link_gbs,
-                        inter_gbs=inter_node_gbs, gpus_per_node=gpus_per_node,
-                        compute_bytes=2 if dtype == "bf16" else 4)
+    mb = micro_batch or cfg.train.micro_batch_size  # None: auto, chosen per layout below
+    cfg = updated(cfg, train={"global_batch_size": gb, "micro_batch_size": mb, "dtype": dtype})
+    device = Device("cuda", gpu_mem_gb)
+
+    def resolve(lay):
+        # what the Trainer's fast_defaults would make of each auto with this layout on this GPU
+        dims = ParallelDims(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, world_size=gpus)
+        run = choose(updated(cfg, parallel={"activation_checkpoint": lay.ac, "pp_schedule": lay.schedule}),
+                     device, dims).cfg
+        return run.model, run.train.micro_batch_size
+    ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, resolve=resolve, peak_tflops=peak_tflops,
+                        intra_gbs=link_gbs, inter_gbs=inter_node_gbs, gpus_per_node=gpus_per_node,
+                        compute_bytes=2 if dtype == "bf16" else 4, sequence_parallel=cfg.parallel.sequence_parallel,
+                        loss_parallel=cfg.parallel.loss_parallel)
     if not ests:
-        raise ConfigError(f"no layout of {gpus} GPUs divides global batch {gb} into micro-batches of {mb}")
+        raise ConfigError(f"no layout of {gpus} GPUs divides global batch {gb}"
+                          + (f" into micro-batches of {mb}" if mb else " into whole local batches"))
     nodes = f", {gpus // gpus_per_node} nodes of {gpus_per_node} ({link_gbs:g} GB/s inside, {inter_node_gbs:g} " \
             f"GB/s between, per GPU)" if gpus_per_node and gpus_per_node < gpus else ""
     print(f"{config or 'config'}: {cfg.model.n_layer} layers x {cfg.model.d_model}, T={cfg.model.block_size}, "
-          f"global batch {gb}, micro-batch {mb}, {gpus} GPUs x {gpu_mem_gb:g} GiB{nodes}")
+          f"global batch {gb}, micro-batch {mb or 'auto'}, {gpus} GPUs x {gpu_mem_gb:g} GiB{nodes}")
+    if mb is None:
+        print(f"micro-batch auto: per layout (column micro-batch), the largest divisor of its local batch up to "
+              f"{GPU_MICRO_CAP} whose estimate is at most {HEADROOM:.0%} of {gpu_mem_gb:g} GiB, as `distlm train` "
+              f"picks on the GPU")
     print(format_table(ests))
     for note in skipped_layouts(gpus, cfg.model):
         print(note)

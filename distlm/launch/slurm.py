@@ -142,7 +142,10 @@ def launch_env(env: Mapping[str, str], left_s: Optional[float], margin_s: float 
     name = env.get("DISTLM_RUN_NAME") or f"{env.get('SLURM_JOB_NAME') or 'distlm'}-{env['SLURM_JOB_ID']}"
     # one thread per trainer process unless told: several per GPU oversubscribe the cores
     r.update(RUN_ROOT=root, RUN_NAME=name, RUN_DIR=f"{root}/{name}", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS") or 1,
-             PYTHONUNBUFFERED=1)
+             PYTHONUNBUFFERED=1,
+             # One rendezvous store per round: with torch's shared store a node that replaces a lost one
+             # waits forever for an address the survivors never republish (tests/test_distributed.py).
+             TORCH_DISABLE_SHARE_RDZV_TCP_STORE=env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") or 1)
     return {k: str(v) for k, v in r.items()}
 
 
