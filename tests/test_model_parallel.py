@@ -239,10 +239,22 @@ def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
      "parallel.pp_microbatches=5"),
     (["parallel.pp=2", "parallel.pp_virtual_stages=0"], "pp_virtual_stages must be positive"),
     (["parallel.tp=2", "parallel.engine=horovod"], "tp and pp need engine=torch"),
+    (["parallel.async_tp=true"], "it needs parallel.tp > 1 (got 1)"),
+    (["parallel.tp=2", "parallel.async_tp=true", "parallel.sequence_parallel=false"],
+     "parallel.sequence_parallel=true (got false)"),
+    (["parallel.tp=2", "parallel.async_tp=true", "train.compile=false"], "train.compile not false"),
 ])
 def test_bad_model_parallel_config(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, ["model.vocab_size=256", *extra])
+
+
+def test_async_tp_is_refused_off_cuda():
+    """Symmetric memory is CUDA's: a CPU mesh gets a one-line error before anything compiles."""
+    from types import SimpleNamespace
+    from distlm.parallel.tp import enable_async_tp
+    with pytest.raises(ConfigError, match="parallel.async_tp needs CUDA"):
+        enable_async_tp(SimpleNamespace(device_type="cpu"))
 
 
 # ---- the pipeline bubble sweep (distlm bench --pp-sweep) --------------------------------
