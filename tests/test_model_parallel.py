@@ -156,6 +156,15 @@ def test_tp_update_issues_few_collectives(two, name):
         assert by_local > 0 and math.isclose(by_local, by_dtensor, rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["tp2_fsdp2", "tp2_ddp2"])
+def test_grad_norm_on_2d_meshes_equals_dtensors_own(four, name):
+    """FSDP2 over TP shards dim 0 again (a _StridedShard, which is not a Shard to torch 2.13):
+    the local-squares norm must still sum it over both mesh dims."""
+    for r in four[name]:
+        by_local, by_dtensor = r["grad_norms"]
+        assert by_local > 0 and math.isclose(by_local, by_dtensor, rel_tol=1e-5), (by_local, by_dtensor)
+
+
 def test_tp_keeps_tied_embedding(two):
     assert all(r["tied_after_training"] for r in two["tp2_sp"])
 

@@ -102,7 +102,10 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None, exclude=frozenset
     for p in counted:
         g = p.grad
         if isinstance(g, DTensor):
-            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()))
+            # Sharded = neither replicated nor partial: FSDP2 over TP uses _StridedShard, which
+            # torch 2.13 no longer counts as a Shard (is_shard() is False for it).
+            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements)
+                                        if not (pl.is_replicate() or pl.is_partial())))
         else:
             key = (None, ())
         groups.setdefault(key, []).append(g)
