@@ -37,7 +37,21 @@ declare -A ABLATIONS=(
   [cosine]="train.decay=cosine"                             # no WSD cooldown
   [docmask]="model.attn_mask=doc"                           # document-masked attention (FlexAttention)
   [b64]="train.global_batch_size=64 train.micro_batch_size=64"      # twice the tokens per step (halve max_steps to match tokens)
-  [valemb]="model.value_embeds=1 model.skip_connections=true"
+  [valemb]="model.value_embeds=3 model.skip_connections=true"     # 3 value-embedding tables (6 blocks), U-net skips
+  [embedlr]="train.embed_lr=0.3"                            # the embedding table at 50x AdamW's rate
+  [embedlr1]="train.embed_lr=0.1"                           # ... at 17x
+  [embedlr6]="train.embed_lr=0.6"                           # ... at 100x
+  [block]="train.compile_scope=block"                       # one block compiled and reused: less compile time
+  [model]="train.compile_scope=model"                       # the whole model as one graph: faster steps, slower compile
+  [s500]="train.max_steps=500"                              # a shorter schedule
+  [s540]="train.max_steps=540"
+  [s600]="train.max_steps=600"
+  [evalcompiled]="train.eval_compile=true"                  # compile the evaluation graph too
+  [novalemb]="model.value_embeds=0 model.skip_connections=false"
+  [noembedlr]="train.embed_lr=0"
+  [b16]="train.global_batch_size=16 train.micro_batch_size=16 train.max_steps=1200 train.eval_every=600"  # half the tokens a step, twice the steps (for a 600-step EXTRA)
+  [seqwarm]="train.seq_warmup_steps=150 train.seq_warmup_start=256" # rows of 256, then 512 tokens first
+  [valemb-embedlr]="model.value_embeds=3 model.skip_connections=true train.embed_lr=0.3"
 )
 EXTRA=${EXTRA:-}
 COMMON=(data.dir="$DATA" train.eval_batches=0 train.checkpoint_every=0 log.root="$WORK/runs" log.progress=false
@@ -72,6 +86,7 @@ for run in "${@:-baseline speedrun}"; do
     echo "$name $launch" >> "$OUT/launch-times.txt"  # the report can be rebuilt from the CSVs with these
   done
 done
-$PY benchmarks/speedrun_report.py "$OUT" "${specs[@]}" || echo "report failed: rebuild it from runs.tgz"
+OUT_REPORT=${TAG:+$OUT/$TAG}; mkdir -p "${OUT_REPORT:-$OUT}"
+$PY benchmarks/speedrun_report.py "${OUT_REPORT:-$OUT}" "${specs[@]}" || echo "report failed: rebuild it from runs.tgz"
 # The device returns at most 8 files: the logs and CSVs travel as one archive.
-tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *-metrics.csv launch-times.txt 2>/dev/null) && (cd "$OUT" && rm -f *.log *-metrics.csv)
+tar -czf "$OUT/runs${TAG:+-$TAG}.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *-metrics.csv launch-times.txt 2>/dev/null) && (cd "$OUT" && rm -f *.log *-metrics.csv)

@@ -126,6 +126,8 @@ class TrainConfig:
                             help="muon: Muon (orthogonalised momentum) for the blocks' weight matrices, "
                                  "AdamW for embeddings, head, norms and biases (distlm/train/muon.py)")
     muon_lr: float = doc(0.02, "Muon's peak learning rate; the train.lr schedule scales it by muon_lr/lr")
+    embed_lr: float = doc(0.0, "train.optimizer=muon: AdamW's peak rate for the embedding tables (token and "
+                                "value embeddings), on train.lr's schedule; 0 = train.lr. Needs an untied head")
     muon_momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
     muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (bf16)")
     muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
@@ -146,6 +148,9 @@ class TrainConfig:
                                              "where the layout allows, else block")
     compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune",
                                help="torch.compile mode (autotuning costs minutes of compile time)")
+    eval_compile: bool = doc(True, "with train.compile: evaluate through compiled graphs too (false: eager; "
+                                   "worth it for a run with a few short evaluations, where compiling the "
+                                   "no-grad graph costs more than it saves)")
     time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
     on_nan: str = choice("skip", "skip", "stop", "off",
                          help="a NaN/Inf loss or gradient: skip the step, stop, or off (no check: no host sync per step)")
@@ -395,6 +400,12 @@ def validate(cfg: Config) -> None:
         if v is not None and v <= 0:  # None: auto, chosen positive at start-up
             raise ConfigError(f"{key} must be positive, got {v}")
     _validate_numbers(cfg)
+    if t.embed_lr and t.optimizer != "muon":
+        raise ConfigError(f"train.embed_lr={t.embed_lr} applies to train.optimizer=muon only (got {t.optimizer}); "
+                          f"with adamw every table trains at train.lr")
+    if t.embed_lr and m.tie_embeddings:
+        raise ConfigError(f"train.embed_lr={t.embed_lr} needs model.tie_embeddings=false: a tied table is also "
+                          f"the head, which trains at train.lr")
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if m.position == "rope" and m.head_dim % 2:
@@ -479,7 +490,7 @@ _RANGES = {
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
     "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
     "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
-    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0),
+    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0), "train.embed_lr": _at_least(0),
     "train.muon_momentum": _in_unit(False), "train.muon_ns_steps": _at_least(1),
     "train.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
 }

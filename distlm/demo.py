@@ -1,8 +1,9 @@
 """`make run`: prepare the vendored Gutenberg books, train, evaluate, sample, plot. Offline.
 
-On CPU it trains the `tiny` preset on a 4,096-token BPE trained on the corpus (GPT-2's
-50k vocabulary would make the output layer most of a small model's cost); on CUDA a
-larger model on GPT-2's tokenizer.
+On CPU it trains the `demo` preset (the `tiny` shape with Muon, RoPE, RMSNorm, QK-norm,
+ReLU^2 and a WSD schedule; benchmarks/cpu-demo.md) on a 4,096-token BPE trained on the
+corpus (GPT-2's 50k vocabulary would make the output layer most of a small model's cost);
+on CUDA a larger model on GPT-2's tokenizer.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def demo(
 ) -> int:
     """Offline end to end on the vendored Gutenberg corpus: prepare, train, eval, sample, plot.
 
-    What `make run` runs. On CPU: the `tiny` preset on a 4,096-token BPE, about 3 minutes.
+    What `make run` runs. On CPU: the `demo` preset on a 4,096-token BPE, about 3 minutes.
     """
     from distlm.data.prepare import prepare
     from distlm.data.sources import DEFAULT_CORPUS
@@ -50,12 +51,14 @@ def demo(
     overrides += CUDA_OVERRIDES if cuda else CPU_OVERRIDES
     if max_steps:
         overrides.append(f"train.max_steps={max_steps}")
-    cfg = load_config("tiny", overrides)
+    cfg = load_config("tiny" if cuda else "demo", overrides)
     print(f"[2/5] training on {'CUDA' if cuda else 'CPU'} ({cfg.train.max_steps} steps at most)")
     trainer = Trainer(cfg)
     summary = trainer.train()
 
     val = summary["val_loss"]
+    if summary["stopped"]:  # stopped early (time limit): no final evaluation ran, the last one is stale
+        val = trainer.evaluate()
     print(f"[3/5] validation loss {val:.4f}, perplexity {math.exp(val):.1f}")
     print("[4/5] samples (temperature 0.8, top-k 50):")
     tok = load_tokenizer(trainer.manifest["tokenizer"]["name"], data_dir)

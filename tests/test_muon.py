@@ -233,6 +233,45 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert g["weight_decay"] == 0.01 and g["lr"] == 1e-3
 
 
+def test_embed_lr_gives_the_tables_their_own_rate_on_the_schedule():
+    # Value embeddings too: every nn.Embedding goes to the group, the head (untied) stays at lr.
+    over = TINY + ["train.optimizer=muon", "train.lr=1e-3", "train.embed_lr=0.05", "model.tie_embeddings=false",
+                   "model.n_layer=4", "model.value_embeds=1"]
+    cfg = load_config(None, over)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg.train, "cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    tables = [g for g in opt.param_groups if g["kind"] == "adamw" and g["lr_scale"] != 1.0]
+    assert len(tables) == 1 and tables[0]["lr_scale"] == pytest.approx(50.0)
+    assert sorted(names[id(p)] for p in tables[0]["params"]) == ["tok_emb.weight", "value_embeds.0.weight"]
+    head = next(g for g in opt.param_groups if any(names[id(p)] == "head.weight" for p in g["params"]))
+    assert head["lr_scale"] == 1.0
+    # One step at half the schedule's peak: the tables move as torch's AdamW at embed_lr / 2.
+    ref_w = model.tok_emb.weight.detach().clone()
+    ref = nn.Parameter(ref_w.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=0.05 / 2, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
+                                weight_decay=0.0)
+    for g in opt.param_groups:
+        g["lr"] = 1e-3 / 2  # what the trainer's schedule writes into every group
+    from distlm.model.loss import lm_loss
+    t = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1))
+    lm_loss(model(t[:, :-1]), t[:, 1:]).backward()
+    ref.grad = model.tok_emb.weight.grad.clone()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(model.tok_emb.weight.detach(), ref.detach(), rtol=0, atol=1e-7)
+    assert (model.tok_emb.weight.detach() - ref_w).abs().max() > 0.02  # it moved at the table's rate
+
+
+@pytest.mark.parametrize("override,needle", [("model.tie_embeddings=true", "tie_embeddings"),
+                                             ("train.optimizer=adamw", "optimizer=muon only")])
+def test_embed_lr_refuses_what_it_cannot_mean(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, TINY + ["train.optimizer=muon", "train.embed_lr=0.1", "model.tie_embeddings=false",
+                                  override])
+
+
 @pytest.mark.parametrize("override,needle", [("train.muon_momentum=1.0", "muon_momentum"),
                                              ("train.muon_ns_steps=0", "muon_ns_steps"),
                                              ("train.muon_lr=0", "muon_lr")])

@@ -80,3 +80,26 @@ def test_keep_last_keeps_best_and_newest(tmp_path, tiny_data):
     kept = sorted(p.name for p in (tmp_path / "k" / "checkpoints").iterdir())
     assert kept[-2:] == ["step_0000005", "step_0000006"]
     assert t.best_ckpt in kept and len(kept) <= 3
+
+
+@pytest.mark.parametrize("eval_compile", [True, False])
+def test_eval_compile_false_evaluates_without_compiling(monkeypatch, tmp_path, tiny_data, eval_compile):
+    """The first evaluation of a compiled model compiles its no-grad graph (seconds of a
+    short run); train.eval_compile=false evaluates eagerly, to the same loss."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+    counter, orig = CompileCounter(), torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: orig(self, backend=counter, **kw))
+    torch._dynamo.reset()
+    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.compile=true", "train.compile_scope=model",
+                                      f"train.eval_compile={str(eval_compile).lower()}", f"log.root={tmp_path}",
+                                      "log.name=e", "log.tensorboard=false"])
+    t = Trainer(cfg)
+    t.train_step()
+    trained = counter.frame_count
+    assert trained >= 1
+    compiled_loss = t.evaluate()
+    assert (counter.frame_count > trained) == eval_compile
+    with torch.compiler.set_stance("force_eager"):
+        assert t.evaluate() == pytest.approx(compiled_loss, rel=1e-6)
+    torch._dynamo.reset()

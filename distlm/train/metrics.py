@@ -7,6 +7,9 @@ or given with log.peak_tflops. An unknown device reports MFU as n/a.
 """
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -62,3 +65,38 @@ def memory_gb(device: torch.device) -> Optional[float]:
 
 def fmt(value: Optional[float], spec: str = ".3f", na: str = "n/a") -> str:
     return na if value is None else format(value, spec)
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux /proc; None elsewhere): what a user waits
+    before the first step, imports and the launcher included."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        # Field 22 of /proc/self/stat, counted after the ")" that ends the command name
+        # (which may itself hold spaces): start time in clock ticks since boot.
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start)
+
+
+class SetupClock:
+    """Wall time of each phase of a run's set-up, for one line in the log: start-up is a
+    fixed cost of every run and of every resume, and the time-to-loss figures include it."""
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, float]] = []
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((name, now - self._last))
+        self._last = now
+
+    def line(self) -> str:
+        total = sum(s for _, s in self.phases)
+        parts = ", ".join(f"{name} {s:.1f}" for name, s in self.phases)
+        age = process_age_s()
+        since = f"; {age:.1f} s since the process started" if age is not None else ""
+        return f"set-up {total:.1f} s ({parts}){since}"

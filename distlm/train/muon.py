@@ -127,7 +127,8 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay`` (decoupled: p <- p (1 - lr lr_scale wd)), ``ns_steps``, ``split``
     (a fused q/k/v weight is ``split=3``: its three row blocks are orthogonalised
     separately, as the three matrices they are).
-    AdamW group keys: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``foreach``, ``fused``.
+    AdamW group keys: ``lr``, ``lr_scale`` (as for Muon; train.embed_lr), ``betas``, ``eps``,
+    ``weight_decay``, ``foreach``, ``fused``.
 
     ``process_group``: the DDP group whose ranks hold replicated plain-tensor parameters
     (None: each rank orthogonalises what it holds). DTensor parameters bring their own
@@ -141,7 +142,7 @@ class Muon(torch.optim.Optimizer):
         self._kind_defaults = {
             "muon": dict(lr_scale=lr_scale, momentum=momentum, nesterov=True, weight_decay=weight_decay,
                          ns_steps=ns_steps, split=1),
-            "adamw": dict(betas=betas, eps=eps, weight_decay=0.0, foreach=None, fused=None),
+            "adamw": dict(lr_scale=1.0, betas=betas, eps=eps, weight_decay=0.0, foreach=None, fused=None),
         }
         self.process_group = process_group
         self.ns_dtype = ns_dtype
@@ -215,7 +216,8 @@ class Muon(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
-                     fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                     fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
+                     lr=group["lr"] * group["lr_scale"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
     # ---- Muon -------------------------------------------------------------------------

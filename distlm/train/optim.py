@@ -64,6 +64,16 @@ def muon_params(model: nn.Module) -> tuple[list, list]:
     return plain, fused
 
 
+def embedding_tables(model: nn.Module) -> list:
+    """The token and value embedding tables (each parameter once, in model order)."""
+    out, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding) and m.weight.requires_grad and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            out.append(m.weight)
+    return out
+
+
 def _check_muon(cfg: TrainConfig) -> None:
     if cfg.lr <= 0 or cfg.muon_lr <= 0:
         raise ConfigError(f"train.optimizer=muon needs train.lr > 0 and train.muon_lr > 0 "
@@ -98,7 +108,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
     _check_muon(cfg)
     from distlm.train.muon import Muon
     plain, fused = muon_params(model)
-    adamw_groups = param_groups(model, cfg.weight_decay, exclude={id(p) for p in plain + fused})
+    # train.embed_lr: the embedding tables get their own AdamW group and rate. A table row
+    # moves only when its token occurs, so at the head's rate the tables learn slowly
+    # (the public speedrun gives them ~75x the head's rate).
+    tables = embedding_tables(model) if cfg.embed_lr else []
+    adamw_groups = param_groups(model, cfg.weight_decay, exclude={id(p) for p in plain + fused + tables})
+    if tables:
+        adamw_groups.append({"params": tables, "weight_decay": 0.0, "lr_scale": cfg.embed_lr / cfg.lr})
     kernel = _adamw_kernel(adamw_groups, device_type)
     groups = [dict(g, kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    foreach=kernel.get("foreach"), fused=kernel.get("fused")) for g in adamw_groups]

@@ -10,6 +10,7 @@ Data parallel:    torchrun --nproc_per_node 4 -m distlm train data.dir=DIR paral
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -29,7 +30,7 @@ from distlm.train.fast_defaults import fast_defaults
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
                                  stop_reason)
 from distlm.train.logger import RunLogger, console_line, log_interval
-from distlm.train.metrics import memory_gb, mfu, peak_tflops
+from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.runlock import RunLock
@@ -44,10 +45,12 @@ class Trainer:
         # torchrun sets LOCAL_RANK; horovodrun only HOROVOD_LOCAL_RANK (without it every Horovod
         # rank took cuda:0 and NCCL refused: "ncclCommInitRank failed: invalid usage", 2x H200).
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", 0)))
+        clock = SetupClock()
         self.device = resolve_device(cfg.train.device, local_rank)
         self.engine = make_engine(cfg.parallel.engine)
         self.dims = dims or self.engine.init(cfg.parallel, self.device.type)
         self.comm = self.engine.comm(self.dims)
+        clock.lap("device and process group")
         self.task = build_task(cfg)
         # The config is resolved against the data once, here, and frozen from then on.
         resolved = self.task.resolve(cfg, self.comm, self.dims.is_main)
@@ -57,6 +60,7 @@ class Trainer:
         if fast.line and self.dims.is_main:
             print(fast.line, flush=True)
         self.cfg, self.manifest, self.data_dir = fast.cfg, resolved.manifest, resolved.data_dir
+        clock.lap("config and data check")
         cfg = self.cfg
         self.amp_dtype = autocast_dtype(cfg, self.device)
         if self.device.type == "cuda":
@@ -69,10 +73,12 @@ class Trainer:
         check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
         self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task)
+        clock.lap("model")
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
         self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
         self.stepper.bind(self.task, cfg, self.dims, self.device, self.loader.accum_steps)
+        clock.lap("optimizer and data loader")
         self.step = 0
         self.tokens_seen = 0
         self.best_val: Optional[float] = None
@@ -86,6 +92,8 @@ class Trainer:
         self.resumed_from = self._maybe_resume()
         self.optimizer = self.engine.wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps, cfg.parallel)
         self._write_run_files()
+        clock.lap("resume and run files")
+        self.setup_line = clock.line()  # printed by train(); compilation comes later, in the first step
 
     # ---- set-up -------------------------------------------------------------------
     def _run_dir(self) -> Path:
@@ -199,8 +207,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        # No-grad and eval mode are other graphs to torch.compile: the first evaluation of a
+        # compiled model compiles again (8-12 s for a 124M model on an H100).
+        # train.eval_compile=false runs evaluation eagerly instead.
+        stance = (torch.compiler.set_stance("force_eager") if self.cfg.train.compile and not self.cfg.train.eval_compile
+                  else contextlib.nullcontext())
         try:
-            return self.task.evaluate(self)
+            with stance:
+                return self.task.evaluate(self)
         finally:
             self.model.train()
 
@@ -275,6 +289,7 @@ class Trainer:
             say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
+            say(self.setup_line)
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         start_step, t_start = self.step, time.perf_counter()
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
