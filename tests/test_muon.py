@@ -264,6 +264,38 @@ def test_embed_lr_gives_the_tables_their_own_rate_on_the_schedule():
     assert (model.tok_emb.weight.detach() - ref_w).abs().max() > 0.02  # it moved at the table's rate
 
 
+def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
+    """torch's load_state_dict brings back the saved groups' hyperparameters; the ones a
+    resume may change (MAY_CHANGE) must be this run's, and the state the checkpoint's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from distlm.train.optim import config_hyperparameters
+    base = TINY + ["train.optimizer=muon", "train.lr=1e-3", "model.tie_embeddings=false"]
+
+    def build(extra):
+        cfg = load_config(None, base + extra)
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        return model, build_optimizer(model, cfg.train, "cpu")
+
+    model, opt = build(["train.muon_lr=0.03", "train.embed_lr=0.1", "train.beta2=0.95", "train.muon_momentum=0.9"])
+    model(torch.randint(0, 128, (2, 16))).float().square().mean().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    model2, opt2 = build(["train.muon_lr=0.06", "train.embed_lr=0.2", "train.beta2=0.99", "train.muon_momentum=0.8"])
+    with config_hyperparameters(opt2):
+        set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    kinds = [(g["kind"], round(g["lr_scale"])) for g in opt2.param_groups]
+    assert kinds == [("adamw", 1), ("adamw", 1), ("adamw", 200), ("muon", 60)]
+    assert all(g["betas"] == (0.9, 0.99) for g in opt2.param_groups if g["kind"] == "adamw")
+    assert all(g["momentum"] == 0.8 for g in opt2.param_groups if g["kind"] == "muon")
+    p, p2 = model.blocks["0"].attn.wq.weight, model2.blocks["0"].attn.wq.weight
+    assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
+    # Without it the checkpoint's values come back (what resumes did before).
+    model3, opt3 = build(["train.muon_lr=0.06", "train.embed_lr=0.2"])
+    set_state_dict(model3, opt3, model_state_dict=msd, optim_state_dict=osd)
+    assert round(opt3.param_groups[-1]["lr_scale"]) == 30
+
+
 @pytest.mark.parametrize("override,needle", [("model.tie_embeddings=true", "tie_embeddings"),
                                              ("train.optimizer=adamw", "optimizer=muon only")])
 def test_embed_lr_refuses_what_it_cannot_mean(override, needle):

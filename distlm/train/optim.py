@@ -6,6 +6,8 @@ with the same two groups, for embeddings, the head, norms, biases and scalars.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -132,3 +134,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
     from torch.nn.parallel import DistributedDataParallel
     group = model.process_group if isinstance(model, DistributedDataParallel) else None
     return Muon(groups, lr=cfg.lr, process_group=group)
+
+
+@contextlib.contextmanager
+def config_hyperparameters(optimizer: torch.optim.Optimizer):
+    """Loading an optimizer's state brings back the hyperparameters its groups were saved
+    with (torch's load_state_dict replaces each group whole). A resume may change them
+    (betas, Muon's rate and momentum, train.embed_lr, ...: MAY_CHANGE in resume_check.py),
+    and a GPU checkpoint's fused-kernel flags must not follow it onto a CPU: around the
+    load, the groups keep this run's values and take only the state."""
+    before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    yield
+    for group, mine in zip(optimizer.param_groups, before):
+        group.update(mine)

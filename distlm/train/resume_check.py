@@ -37,7 +37,9 @@ MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # step: another one changes what the run's early steps trained on (their examples and
     # contexts), and one changed mid-run would send a model already on full blocks back to
     # short rows, unlike extending a learning-rate schedule.
-    "train": ("seed", "global_batch_size", "optimizer", "seq_warmup_steps", "seq_warmup_start"),
+    # train.embed_lr on or off decides whether the embedding tables have their own optimizer
+    # group; its value, like any rate, may change (see _same).
+    "train": ("seed", "global_batch_size", "optimizer", "seq_warmup_steps", "seq_warmup_start", "embed_lr"),
     # A language model and a classifier, or two poolings, are different models.
     "task": ("name", "attention", "pooling"),
 }
@@ -54,7 +56,7 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # Accumulation only: the same global batch in more or fewer forwards.
         "micro_batch_size",
         # Evaluation, checkpoints, resume itself.
-        "eval_every", "eval_batches", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
+        "eval_every", "eval_batches", "eval_compile", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
         "device", "dtype", "compile", "compile_scope", "compile_mode",
         # Fault handling.
@@ -83,6 +85,8 @@ def must_match_fields() -> list[str]:
 def _same(key: str, saved: Any, now: Any) -> bool:
     if saved == now:
         return True
+    if key == "train.embed_lr":
+        return bool(saved) == bool(now)  # another rate is fine; on <-> off changes the optimizer's groups
     if key == "data.dir" and saved and now:
         # The same folder spelled two ways (relative and absolute): still the same data.
         try:

@@ -31,7 +31,7 @@ from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_
                                  stop_reason)
 from distlm.train.logger import RunLogger, console_line, log_interval
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
-from distlm.train.optim import build_optimizer
+from distlm.train.optim import build_optimizer, config_hyperparameters
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.runlock import RunLock
 from distlm.train.samples import console_block, describe as describe_samples
@@ -123,8 +123,9 @@ class Trainer:
     def _maybe_resume(self) -> Optional[Path]:
         # With resume=auto a damaged or non-finite newest checkpoint is skipped, with a message,
         # for the newest one that verifies and loads.
-        path, meta = ckpt.resume_and_load(self.cfg.train.resume, self.run_dir, self.model, self.optimizer,
-                                          say=print if self.dims.is_main else lambda msg: None)
+        with config_hyperparameters(self.optimizer):
+            path, meta = ckpt.resume_and_load(self.cfg.train.resume, self.run_dir, self.model, self.optimizer,
+                                              say=print if self.dims.is_main else lambda msg: None)
         if path is None:
             return None
         # Checked before loading for the newest checkpoint; again for the one loaded, which
