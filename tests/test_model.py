@@ -70,6 +70,18 @@ def test_meta_init_equals_eager_init():
     assert eager.head.weight is eager.tok_emb.weight
 
 
+def test_init_drawn_in_threads_equals_one_at_a_time():
+    cfg = small(position="learned")
+    with torch.device("meta"):
+        one, many = GPT(cfg), GPT(cfg)
+    for m, threads in ((one, 1), (many, 5)):
+        m.to_empty(device="cpu")
+        m.init_weights(3, threads=threads)
+    for (n, a), (_, b) in zip(one.state_dict().items(), many.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert one.state_dict().keys() == many.state_dict().keys()
+
+
 def test_generation_is_seeded_and_stops_at_block_size_gracefully():
     torch.manual_seed(0)
     model = GPT(small())

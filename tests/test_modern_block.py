@@ -191,6 +191,25 @@ def test_skip_wiring_and_numerics():
     torch.testing.assert_close(m(idx), m.head(m.norm(x5)), atol=1e-6, rtol=1e-6)
 
 
+def test_blocks_compiled_one_at_a_time_compile_once_per_kind():
+    """12 layers, 3 value-embedding tables and U-net skips: four kinds of block (table or
+    not, skip or not), so four graphs. The middle block's skip is the output of the block
+    before it, its own input: passed as that same tensor it cost a fifth graph."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    m = model_of(n_layer=12, value_embeds=3, skip_connections=True).train()
+    ref = model_of(n_layer=12, value_embeds=3, skip_connections=True).train()
+    counter = CompileCounter()
+    for block in m.blocks.values():
+        block.compile(backend=counter)
+    idx, tgt = ids(T=16), ids(T=16, seed=3)
+    loss = m(idx, targets=tgt)
+    loss.backward()
+    assert counter.frame_count == 4
+    torch.testing.assert_close(loss, ref(idx, targets=tgt), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("opt", [dict(value_embeds=2), dict(skip_connections=True)], ids=["value_embeds", "skips"])
 def test_value_embeds_and_skips_change_outputs_and_get_gradients(opt):
     m, plain = model_of(**opt).train(), model_of().train()
