@@ -551,12 +551,12 @@ def _validate_seq_warmup(cfg: Config) -> None:
         raise ConfigError(f"train.seq_warmup_steps={t.seq_warmup_steps} is for language models; "
                           f"task.name={cfg.task.name} trains on whole examples")
     # Each row length is a graph of every compiled function, and the evaluation (full
-    # blocks, no grad) one more. Compiled per block, each pattern of optional block inputs
-    # (value embeddings, U-net skips) is one more per shape (an upper bound here; an auto
-    # compile or scope counts as one that may compile per block).
+    # blocks, no grad) one more. Compiled per block, blocks with and without a value
+    # embedding are two graphs per shape (an upper bound here; an auto compile or scope
+    # counts as one that may compile per block). U-net skips are added outside the blocks.
     variants = 1
     if t.compile is not False and t.compile_scope != "model":
-        variants = (2 if 0 < 2 * m.value_embeds < m.n_layer else 1) * (2 if m.skip_connections and m.n_layer > 1 else 1)
+        variants = 2 if 0 < 2 * m.value_embeds < m.n_layer else 1
     lengths = seq_warmup_lengths(t, T)
     graphs = (len(lengths) + 2) * variants
     if graphs > DYNAMO_RECOMPILE_LIMIT:

@@ -201,15 +201,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg, value_embed=value_embed_table(cfg, layer) is not None)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
-        # U-net skip into this block (second half only), see GPT.forward
-        self.skip_weight = Scalar() if skip_source(cfg, layer) is not None else None
 
     def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
-                ve=None, skip=None):
-        # The skip is added here, not in GPT.forward: under FSDP2 a block's parameters
-        # (skip_weight among them) are gathered only inside its own forward.
-        if skip is not None:
-            x = x + self.skip_weight(skip)
+                ve=None):
         # attn takes exactly these 7 positional inputs (the TP plan lays out the first).
         x = x + self.attn(self.attn_norm(x), rope, cache, start_pos, attn_mask, causal, ve)
         return x + self.mlp(self.mlp_norm(x))
@@ -270,6 +264,9 @@ class GPT(nn.Module):
         # A ModuleDict keyed "0".."L-1": pipeline stages delete the blocks they do not
         # own and the rest keep their fully-qualified names, so checkpoints stay layout-free.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
+        # U-net: the learned weight of each skip, keyed by the block it enters (see forward).
+        self.skip_weights = nn.ModuleDict({str(i): Scalar() for i in range(cfg.n_layer)
+                                           if skip_source(cfg, i) is not None}) if cfg.skip_connections else None
         self.norm = make_norm(cfg)
         self.head = SoftcapLinear(cfg.d_model, V, cfg.logit_softcap) if cfg.logit_softcap \
             else nn.Linear(cfg.d_model, V, bias=False)
@@ -392,15 +389,16 @@ class GPT(nn.Module):
         for i, block in self.blocks.items():
             layer = int(i)
             table = value_embed_table(self.cfg, layer) if ves is not None else None
-            skip = skips.pop() if skip_source(self.cfg, layer) is not None else None
+            if skip_source(self.cfg, layer) is not None:
+                # Added here, not inside the block: a block compiled on its own then has one
+                # graph per kind of input (value embedding or not) instead of four (and a
+                # fifth for the middle block, whose skip is its own input). The gates are
+                # the root's parameters, which FSDP2 gathers for this whole forward.
+                x = x + self.skip_weights[i](skips.pop())
             x = block(x, rope, cache.layer(layer) if cache is not None else None, start_pos, mask, True,
-                      ves[table] if table is not None else None, skip)
+                      ves[table] if table is not None else None)
             if self.cfg.skip_connections and layer < self.cfg.n_layer // 2:
-                # A view, not x itself: the middle block's skip is the output of the block
-                # just before it, i.e. its own input, and a block compiled on its own would
-                # compile once more for that aliasing (5 graphs instead of 4 for 12 layers
-                # with 3 value-embedding tables; tests/test_modern_block.py).
-                skips.append(x.view_as(x))
+                skips.append(x)
         if targets is not None:
             return self.head_loss(x, targets)
         if self.norm is not None:

@@ -60,6 +60,15 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         # Column-split (embedding dim) as wv's output is: this rank's slice is the values
         # of its own heads. Indices arrive whole on every rank.
         top[f"value_embeds.{name}"] = ColwiseParallel()
+    if getattr(model, "skip_weights", None) is not None and sp:
+        # A scalar weight times a sharded input: the weight is replicated, and its gradient
+        # (a sum over the input) is a partial sum on each rank, which DTensor reduces only if
+        # the input is declared sharded. SequenceParallel is exactly "replicated parameters,
+        # input sharded along a dim": the skip (the residual stream) is split over the
+        # sequence under SP. Without SP the stream is whole on every rank and replicate_rest
+        # below is right for these weights.
+        for name in model.skip_weights:
+            top[f"skip_weights.{name}"] = SequenceParallel(use_local_output=True)
     if model.head is not None:
         top["head"] = ColwiseParallel(
             input_layouts=resid,
@@ -91,16 +100,10 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         if sp:
             plan["attn_norm"] = SequenceParallel(use_local_output=True)
             plan["mlp_norm"] = SequenceParallel(use_local_output=True)
-        # A scalar weight times a sharded input: the weight is replicated, and its gradient
-        # (a sum over the input) is a partial sum on each rank, which DTensor reduces only if
-        # the input is declared sharded. SequenceParallel is exactly "replicated parameters,
-        # input sharded along a dim": the value embedding is split over its last dim (the
-        # heads), the skip (the residual stream) over the sequence under SP. Without SP the
-        # stream is whole on every rank and replicate_rest below is right for the skip.
+        # A scalar weight times a sharded input: see the U-net skips' weights above; the
+        # value embedding is split over its last dim (the heads).
         if block.attn.ve_weight is not None:
             plan["attn.ve_weight"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if block.skip_weight is not None and sp:
-            plan["skip_weight"] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
         # Each rank holds the columns of its heads in wq, wk and wv separately; the fused
         # one-matmul path would concatenate shards of three tensors into no valid layout.
