@@ -49,6 +49,7 @@ declare -A ABLATIONS=(
   [evalcompiled]="train.eval_compile=true"                  # compile the evaluation graph too
   [novalemb]="model.value_embeds=0 model.skip_connections=false"
   [noembedlr]="train.embed_lr=0"
+  [ve6]="model.value_embeds=6"                              # a table for every block: one compiled block graph
   [b16]="train.global_batch_size=16 train.micro_batch_size=16 train.max_steps=1200 train.eval_every=600"  # half the tokens a step, twice the steps (for a 600-step EXTRA)
   [seqwarm]="train.seq_warmup_steps=150 train.seq_warmup_start=256" # rows of 256, then 512 tokens first
   [valemb-embedlr]="model.value_embeds=3 model.skip_connections=true train.embed_lr=0.3"
