@@ -13,7 +13,7 @@ them), the one with the smallest (largest) value is moved, so with two or more
 documents both splits are non-empty. A lone document is split by tokens instead:
 its last ``val_fraction`` goes to val.
 
-How the work is spread: ``sources.plan_units`` cuts the inputs into units of about
+How the work is spread: ``units.plan_units`` cuts the inputs into units of about
 ``TASK_CHARS`` bytes (runs of small files, ranges of big ones). A worker process reads,
 splits, hashes and tokenizes a whole unit by itself and writes its tokens to files in the
 temporary folder; the parent only appends those files to the shards, in unit order. So
