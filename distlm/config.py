@@ -490,8 +490,8 @@ _RANGES = {
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
     "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
     "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
-    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0), "train.embed_lr": _at_least(0),
-    "train.muon_momentum": _in_unit(False), "train.muon_ns_steps": _at_least(1),
+    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0),
+    "train.embed_lr": _at_least(0), "train.muon_momentum": _in_unit(False), "train.muon_ns_steps": _at_least(1),
     "train.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
 }
 

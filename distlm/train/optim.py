@@ -2,7 +2,8 @@
 
 AdamW decays only matrices that are not embeddings. ``train.optimizer=muon`` hands the
 2-D weights inside the transformer blocks to Muon (distlm/train/muon.py) and keeps AdamW,
-with the same two groups, for embeddings, the head, norms, biases and scalars.
+with the same two groups, for embeddings, the head, norms, biases and scalars; with
+``train.embed_lr`` the embedding tables have a third AdamW group at their own rate.
 """
 from __future__ import annotations
 
@@ -19,14 +20,21 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_modu
 FUSED_QKV_NAMES = ("qkv", "wqkv", "c_attn")
 
 
+def embedding_tables(model: nn.Module) -> list:
+    """The token and value embedding tables (each parameter once, in model order)."""
+    out, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding) and m.weight.requires_grad and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            out.append(m.weight)
+    return out
+
+
 def param_groups(model: nn.Module, weight_decay: float, exclude=frozenset()) -> list[dict]:
     """AdamW's two groups; parameters whose id is in ``exclude`` (Muon's) are left out."""
     # Decay shrinks weights toward zero; on norms and biases that only fights the
     # optimizer, and on embeddings it penalises rare tokens (GPT-3 / nanoGPT practice).
-    no_decay_ids = set()
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding):
-            no_decay_ids.add(id(mod.weight))
+    no_decay_ids = {id(p) for p in embedding_tables(model)}
     decay, no_decay, seen = [], [], set(exclude)
     for _, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -53,7 +61,7 @@ def muon_params(model: nn.Module) -> tuple[list, list]:
     blocks (``blocks.*``), except embedding tables. Embeddings and the head stay with
     AdamW: a table row is updated only by its tokens' gradients, and the head's rows are
     per-token outputs; neither is a hidden linear map."""
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embedding_ids = {id(p) for p in embedding_tables(model)}
     plain, fused, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen or p.ndim != 2 or id(p) in embedding_ids:
@@ -64,16 +72,6 @@ def muon_params(model: nn.Module) -> tuple[list, list]:
         seen.add(id(p))
         (fused if len(path) >= 2 and path[-2] in FUSED_QKV_NAMES else plain).append(p)
     return plain, fused
-
-
-def embedding_tables(model: nn.Module) -> list:
-    """The token and value embedding tables (each parameter once, in model order)."""
-    out, seen = [], set()
-    for m in model.modules():
-        if isinstance(m, nn.Embedding) and m.weight.requires_grad and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            out.append(m.weight)
-    return out
 
 
 def _check_muon(cfg: TrainConfig) -> None:
