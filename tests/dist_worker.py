@@ -95,8 +95,10 @@ def update_collectives(trainer: Trainer) -> dict:
     for g in trainer.optimizer.param_groups:
         g["lr"] = 0.0
     x, y = trainer.loader.micro_batches(0)[0]
-    trainer.stepper.forward_backward([(x, y)], trainer.compute)
-    counts = {}
+    with CommDebugMode() as mode:
+        trainer.stepper.forward_backward([(x, y)], trainer.compute)
+    # by kind: the forward and backward's own collectives (TP's all-gathers, reduce-scatters)
+    counts = {"forward_backward": {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}}
     for phase, fn in (("reduce", lambda: trainer.engine.finish_grad_reduction(trainer.optimizer)),
                       ("clip", lambda: trainer.stepper.clip(1e9)),
                       ("optimizer", lambda: trainer.optimizer.step())):

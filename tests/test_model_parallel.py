@@ -143,6 +143,24 @@ def test_tp4_matches_one_process(root, four, reference):
     assert_matches(root / "tp4", reference["gpt2"], steps())
 
 
+def test_tp_backward_reduces_each_block_input_once(two):
+    """The block's input is gathered once (attention's and the MLP's), so its gradient must be
+    reduced once: a reduce-scatter with SP, an all-reduce without. Each q/k/v (and MLP input)
+    projection all-reduced its own partial input gradient before (4 full all-reduces per block
+    in the backward instead of 2 reduce-scatters: 4x the bytes at TP2; issue 19)."""
+    L = 6  # BASE's blocks
+    sp, plain = (two[name][0]["update_collectives"]["forward_backward"] for name in ("tp2_sp", "tp2_plain"))
+    # SP, per block and pass: 2 all-gathers and 2 reduce-scatters (one pair each for attention
+    # and the MLP). Outside the blocks: the final norm's gather into the head and its backward
+    # (a reduce-scatter), the embedding's slice onto the sequence (an all-gather backward), the
+    # embedding's all-reduce and loss_parallel's three (max, sum, target logit).
+    assert sp == {"all_gather_into_tensor": 4 * L + 2, "reduce_scatter_tensor": 4 * L + 1, "all_reduce": 4}, sp
+    # Without SP: per block an all-reduce after each row-parallel layer (forward) and one per
+    # gathered input (backward); outside, the embedding's, the logits' gather and the head
+    # input's gradient.
+    assert plain.get("all_reduce") == 4 * L + 2 and "reduce_scatter_tensor" not in plain, plain
+
+
 @pytest.mark.parametrize("name", ["tp2_sp", "tp2_sp_modern", "tp2_plain"])
 def test_tp_update_issues_few_collectives(two, name):
     """Partial-sum gradients are reduced once, in one bucket per mesh dim; the norm is one

@@ -85,14 +85,18 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
 
     for block in model.blocks.values():
         plan = {
+            # The gathered input stays a DTensor into q/k/v (and the MLP's input projections):
+            # their partial input gradients then add up as one Partial and are reduced once,
+            # by the gather's backward (a reduce-scatter with SP). Handed on as local tensors,
+            # each projection all-reduced its own: 4 full all-reduces per block backward
+            # instead of 2 reduce-scatters (tests/test_model_parallel.py counts them).
             # Block passes (x, rope, cache, start_pos, attn_mask, causal, ve): only x is laid
             # out; the mask is per (batch, query, key) and serves every local head as is.
             "attn": PrepareModuleInput(input_layouts=(resid,) + (None,) * 6,
-                                       desired_input_layouts=(Replicate(),) + (None,) * 6, use_local_output=True),
+                                       desired_input_layouts=(Replicate(),) + (None,) * 6),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=resid),
-            "mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),)),
             "mlp.w_in": ColwiseParallel(), "mlp.w_out": RowwiseParallel(output_layouts=resid),
         }
         if block.mlp.w_gate is not None:
