@@ -148,9 +148,10 @@ class TrainConfig:
                                              "where the layout allows, else block")
     compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune",
                                help="torch.compile mode (autotuning costs minutes of compile time)")
-    eval_compile: bool = doc(True, "with train.compile: evaluate through compiled graphs too (false: eager; "
-                                   "worth it for a run with a few short evaluations, where compiling the "
-                                   "no-grad graph costs more than it saves)")
+    eval_compile: bool = doc(True, "with train.compile: evaluate through compiled graphs too: the training "
+                                   "graphs for a model without dropout on one GPU or DDP (nothing more to "
+                                   "compile), else no-grad graphs of its own (false: eager; worth it for a "
+                                   "few short evaluations, where compiling those costs more than it saves)")
     time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
     on_nan: str = choice("skip", "skip", "stop", "off",
                          help="a NaN/Inf loss or gradient: skip the step, stop, or off (no check: no host sync per step)")

@@ -82,10 +82,12 @@ def test_keep_last_keeps_best_and_newest(tmp_path, tiny_data):
     assert t.best_ckpt in kept and len(kept) <= 3
 
 
-@pytest.mark.parametrize("eval_compile", [True, False])
-def test_eval_compile_false_evaluates_without_compiling(monkeypatch, tmp_path, tiny_data, eval_compile):
-    """The first evaluation of a compiled model compiles its no-grad graph (seconds of a
-    short run); train.eval_compile=false evaluates eagerly, to the same loss."""
+@pytest.mark.parametrize("eval_compile,dropout,new_graph", [(True, 0.1, True), (True, 0.0, False), (False, 0.1, False)])
+def test_evaluation_of_a_compiled_model(monkeypatch, tmp_path, tiny_data, eval_compile, dropout, new_graph):
+    """With dropout, the first evaluation of a compiled model compiles its no-grad graph
+    (seconds of a short run). Without, it runs the training graphs: nothing compiles, the
+    gradients stay untouched, and the next step compiles nothing either.
+    train.eval_compile=false evaluates eagerly. Every way gives the eager no-grad loss."""
     import torch
     from torch._dynamo.testing import CompileCounter
     counter, orig = CompileCounter(), torch.nn.Module.compile
@@ -93,13 +95,21 @@ def test_eval_compile_false_evaluates_without_compiling(monkeypatch, tmp_path, t
     torch._dynamo.reset()
     cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.compile=true", "train.compile_scope=model",
                                       f"train.eval_compile={str(eval_compile).lower()}", f"log.root={tmp_path}",
-                                      "log.name=e", "log.tensorboard=false"])
+                                      f"model.dropout={dropout}", "log.name=e", "log.tensorboard=false"])
     t = Trainer(cfg)
     t.train_step()
     trained = counter.frame_count
     assert trained >= 1
-    compiled_loss = t.evaluate()
-    assert (counter.frame_count > trained) == eval_compile
-    with torch.compiler.set_stance("force_eager"):
-        assert t.evaluate() == pytest.approx(compiled_loss, rel=1e-6)
+    t.evaluate()
+    assert (counter.frame_count > trained) == new_graph
+    assert all(p.grad is None for p in t.model.parameters())
+    assert t.model.training
+    after_eval = counter.frame_count
+    t.train_step()
+    assert counter.frame_count == after_eval  # training's graphs are still the ones that run
+    t.model.eval()
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        eager = t.task.evaluate(t)
+    t.model.train()
+    assert t.evaluate() == pytest.approx(eager, rel=1e-6)
     torch._dynamo.reset()

@@ -58,7 +58,8 @@ class PlainStep:
         count = torch.zeros((), device=self.device)
         for x, y, w in batches:
             with compute():
-                total += loss_value(self.loss(self.model, x.to(self.device), y.to(self.device))) * w
+                # detached: evaluated through the training graphs, autograd records each loss
+                total += loss_value(self.loss(self.model, x.to(self.device), y.to(self.device))).detach() * w
             count += w
         return total, count
 

@@ -52,7 +52,12 @@ class Task(Protocol):
         """``loss(logits, y)`` on the last pipeline stage."""
 
     def evaluate(self, trainer) -> float:
-        """The validation loss (collective); may log more (accuracy, confusion)."""
+        """The validation loss (collective); may log more (accuracy, confusion). The Trainer
+        sets the grad mode and train/eval mode (distlm/train/evaluation.py)."""
+
+    def evaluates_with_training_loss(self, cfg: Config) -> bool:
+        """Whether evaluation computes the training loss on micro-batches of the training
+        shape, so that it can run through the training graphs of a compiled model."""
 
     def eval_metrics(self) -> dict:
         """Figures of the latest evaluation besides the loss, for the log (per-source losses,

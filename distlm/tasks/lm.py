@@ -128,7 +128,11 @@ class LMTask:
         return torch.compile(lm_loss) if cfg.train.compile and cfg.parallel.tp == 1 else lm_loss
 
     # ---- evaluation -----------------------------------------------------------------
-    @torch.no_grad()
+    def evaluates_with_training_loss(self, cfg: Config) -> bool:
+        # Whole micro-batches of the training shape, unless a split is smaller than one: it
+        # is then scored in one smaller batch, another shape to the compiler.
+        return all(len(blocks) >= cfg.train.micro_batch_size for blocks in self.val_split.values())
+
     def evaluate(self, trainer) -> float:
         """The mean loss over a fixed validation set spread across the whole val split (the
         same blocks whatever the world size or step; train.eval_batches micro-batches over all

@@ -10,7 +10,6 @@ Data parallel:    torchrun --nproc_per_node 4 -m distlm train data.dir=DIR paral
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.fast_defaults import fast_defaults
+from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
                                  stop_reason)
 from distlm.train.logger import RunLogger, console_line, log_interval
@@ -78,6 +78,9 @@ class Trainer:
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
         self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
         self.stepper.bind(self.task, cfg, self.dims, self.device, self.loader.accum_steps)
+        self.evaluation = evaluation_for(cfg, self.dims, self.task)
+        if cfg.train.compile and self.dims.is_main:
+            print(f"evaluation: {self.evaluation.describe}", flush=True)
         clock.lap("optimizer and data loader")
         self.step = 0
         self.tokens_seen = 0
@@ -205,19 +208,10 @@ class Trainer:
         if self.dims.is_main:
             print(warning)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        # No-grad and eval mode are other graphs to torch.compile: the first evaluation of a
-        # compiled model compiles again (8-12 s for a 124M model on an H100).
-        # train.eval_compile=false runs evaluation eagerly instead.
-        stance = (torch.compiler.set_stance("force_eager") if self.cfg.train.compile and not self.cfg.train.eval_compile
-                  else contextlib.nullcontext())
-        try:
-            with stance:
-                return self.task.evaluate(self)
-        finally:
-            self.model.train()
+        # Which graphs, grad mode and train/eval mode: distlm/train/evaluation.py
+        with self.evaluation(self.model):
+            return self.task.evaluate(self)
 
     # ---- checkpoints --------------------------------------------------------------
     def save(self, val_loss: Optional[float] = None) -> Optional[Path]:

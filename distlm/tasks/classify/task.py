@@ -127,6 +127,9 @@ class ClassifyTask:
         return []  # a classifier has no text to show (its evaluation prints the confusion matrix)
 
     # ---- evaluation ---------------------------------------------------------------
+    def evaluates_with_training_loss(self, cfg: Config) -> bool:
+        return False  # accuracy and confusion too, on micro-batches 4x the training ones
+
     @torch.no_grad()
     def evaluate(self, trainer) -> float:
         """Loss, accuracy, macro-F1 and confusion over the whole val split (collective)."""

@@ -1,0 +1,64 @@
+"""How the Trainer runs a model for evaluation: which graphs, which grad mode, which module.
+
+torch.compile guards on the grad mode and on every module's training flag, so evaluating a
+compiled model under ``no_grad`` in eval mode is another graph, compiled at the first
+evaluation: 7.6 s of a 94 s `speedrun-124m` run on an H100 (benchmarks/speedrun.md), for
+three evaluations that then take about a second each. Three ways to evaluate:
+
+``NoGradEval``       eval mode, no autograd; compiled graphs of its own (the default), or eager
+                     (``train.eval_compile=false``): what any model and layout can do.
+``TrainingGraphEval`` the training graphs themselves: train mode, autograd recording, each
+                     micro-batch's loss detached at once so its graph is freed with it. Only
+                     for a model without dropout, which computes the same function in either
+                     mode, whose task evaluates with its training loss on training-sized
+                     micro-batches (the language model), and on one process or DDP (FSDP2, TP
+                     and pipeline stages keep their own per-forward state for a backward).
+                     It costs a training forward's activations for one micro-batch (the step
+                     already holds as much) and a forward slower than a no-grad graph's; it
+                     saves the compile.
+
+``evaluation_for(cfg, dims, task)`` picks one; the choice is printed with the other fast
+defaults. The validation loss is the same either way (tests/test_trainer.py).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class NoGradEval:
+    def __init__(self, eager: bool):
+        self.eager = eager
+        self.describe = "eager, no grad" if eager else "no-grad graphs"
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        model.eval()
+        stance = torch.compiler.set_stance("force_eager") if self.eager else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), stance:
+                yield
+        finally:
+            model.train()
+
+
+class TrainingGraphEval:
+    describe = "the training graphs (no dropout: train mode computes the same losses)"
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        # DDP prepares its reducer for a backward after a forward that records autograd;
+        # no_sync() skips that, and the forward is still the one its graphs were traced in.
+        with torch.enable_grad(), getattr(model, "no_sync", contextlib.nullcontext)():
+            yield
+
+
+def evaluation_for(cfg, dims, task):
+    t = cfg.train
+    if t.compile and not t.eval_compile:
+        return NoGradEval(eager=True)
+    if (t.compile and cfg.model.dropout == 0 and dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1
+            and task.evaluates_with_training_loss(cfg)):
+        return TrainingGraphEval()
+    return NoGradEval(eager=False)
