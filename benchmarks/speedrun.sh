@@ -5,7 +5,8 @@
 #   CORPUS=../shared/data/corpus bash benchmarks/speedrun.sh [RUN ...]
 #
 # RUNs (default: "baseline speedrun"): baseline, speedrun, or speedrun-NAME for an ablation
-# listed in ABLATIONS below; NAME@ddpN or NAME@fsdpN runs it on N GPUs (torchrun). The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
+# listed in ABLATIONS below; NAME@ddpN or NAME@fsdpN runs it on N GPUs (torchrun; the global batch
+# stays, split evenly). The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
 # tokens) is laid out and prepared here, on the machine that runs it: GCIDE is GPL and is never
 # vendored. Validation is over the whole val split (train.eval_batches=0) in every run.
 # Results: $OUT/speedrun-table.md, the two plots, and each run's metrics.csv and log.
@@ -52,6 +53,8 @@ declare -A ABLATIONS=(
   [ve6]="model.value_embeds=6"                              # a table for every block: one compiled block graph
   [b16]="train.global_batch_size=16 train.micro_batch_size=16 train.max_steps=1200 train.eval_every=600"  # half the tokens a step, twice the steps (for a 600-step EXTRA)
   [seqwarm]="train.seq_warmup_steps=150 train.seq_warmup_start=256" # rows of 256, then 512 tokens first
+  [b64s350]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=350 train.eval_every=175"  # for 4 GPUs: 16 sequences each
+  [b64s450]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=450 train.eval_every=150"
   [valemb-embedlr]="model.value_embeds=3 model.skip_connections=true train.embed_lr=0.3"
 )
 EXTRA=${EXTRA:-}
@@ -63,20 +66,23 @@ for run in "${@:-baseline speedrun}"; do
   for name in $run; do
     # NAME@ddpN / NAME@fsdpN: the same recipe on N GPUs of this machine (the global batch stays).
     recipe=${name%@*}; layout=${name#"$recipe"}; launcher=($PY -m distlm); par=()
-    case $layout in
-      @ddp*) n=${layout#@ddp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
-             par=(parallel.dp_replicate="$n" train.micro_batch_size=$((32 / n))) ;;
-      @fsdp*) n=${layout#@fsdp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
-              par=(parallel.dp_shard="$n" train.micro_batch_size=$((32 / n)) train.compile_scope=block) ;;
-    esac
-    # Each run compiles from a cold cache unless WARM=1: the timings then include compilation.
-    [ "${WARM:-0}" = 1 ] || export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$name-$RANDOM"
     case $recipe in
       baseline) args=("${BASELINE[@]}") ;;
       speedrun) args=("${SPEEDRUN[@]}" $EXTRA) ;;
       speedrun-*) args=("${SPEEDRUN[@]}" $EXTRA ${ABLATIONS[${recipe#speedrun-}]}) ;;
       *) echo "unknown run $name" >&2; exit 2 ;;
     esac
+    # The global batch stays; each GPU takes its share in one micro-batch (no accumulation).
+    global=$(printf '%s\n' "${args[@]}" | sed -n 's/^train.global_batch_size=//p' | tail -1)
+    global=${global:-$([ "$recipe" = baseline ] && echo 64 || echo 32)}
+    case $layout in
+      @ddp*) n=${layout#@ddp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
+             par=(parallel.dp_replicate="$n" train.micro_batch_size=$((global / n))) ;;
+      @fsdp*) n=${layout#@fsdp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
+              par=(parallel.dp_shard="$n" train.micro_batch_size=$((global / n)) train.compile_scope=block) ;;
+    esac
+    # Each run compiles from a cold cache unless WARM=1: the timings then include compilation.
+    [ "${WARM:-0}" = 1 ] || export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$name-$RANDOM"
     rm -rf "$WORK/runs/$name"
     launch=$(date +%s.%N)
     "${launcher[@]}" train "${args[@]}" "${par[@]}" "${COMMON[@]}" log.name="$name" > "$OUT/$name.log" 2>&1

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Tensor parallelism at 1.5B on 2 GPUs, before and after (issue 19), one device call (< 10 min):
-#   bash benchmarks/tp_speed.sh            # on a 2-GPU machine; OLD=carry/old holds the code before the change
-# Runs `distlm bench` on gpt2-1.5b (20 heads of 80: the same parameters and FLOPs as 25 of 64, and a head
-# count TP2 divides), global batch 64, micro-batch 8, compiled per block, model.loss_chunk=0, synthetic data:
-#   before_tp2  the code of OLD (a `git archive` of the commit before the change), parallel.tp=2
-#   fsdp2       parallel.dp_shard=2 (the reference the target is measured against)
-#   tp2         parallel.tp=2 (partial-sum gradients reduced once, the norm on local tensors)
-#   tp2_async   parallel.tp=2 parallel.async_tp=true, profiled (run before tp2: the 2026-11-26 call ran out here)
-#   tp2_mb16    async TP with micro-batch 16 (more work per GPU per collective)
-# Writes $OUT/tp-speed.tgz (logs, bench JSON, profiles) and a summary on stdout.
+# Tensor parallelism at 1.5B, before and after (issue 19), one device call (< 10 min):
+#   OLD=carry/old bash benchmarks/tp_speed.sh                    # 2 GPUs: fsdp2 before_tp2 tp2 tp2_async tp2_mb16
+#   ITEMS="fsdp4 tp2_fsdp2 tp2_fsdp2_async" bash benchmarks/tp_speed.sh   # 4 GPUs: 2-D TP2 x FSDP2
+# OLD holds the code before the change (a `git archive`). Each item is one `distlm bench` of gpt2-1.5b
+# (20 heads of 80: the same parameters and FLOPs as 25 of 64, and a head count TP2 divides), global
+# batch 64, compiled per block, model.loss_chunk=0, synthetic data:
+#   fsdp2 / fsdp4     parallel.dp_shard=N, micro-batch 8 (the reference the TP target is measured against)
+#   before_tp2        the code of OLD, parallel.tp=2, micro-batch 8
+#   tp2               parallel.tp=2, micro-batch 8, profiled
+#   tp2_async         + parallel.async_tp=true (micro-pipelined all-gather/reduce-scatter matmuls), profiled
+#   tp2_mb16          async TP with micro-batch 16 (more work per GPU per collective)
+#   tp2_fsdp2[_async] parallel.tp=2 parallel.dp_shard=2 on 4 GPUs, micro-batch 8
+# Writes $OUT/tp-speed${TAG:+-$TAG}.tgz (logs, bench JSON, profile summaries) and a summary on stdout.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONSAFEPATH=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tp
-OUT=${OUT:-/tmp/out}; R=/tmp/tp-speed; OLD=${OLD:-carry/old}; NP=${NP:-2}; BUDGET=${BUDGET:-560}
+OUT=${OUT:-/tmp/out}; R=/tmp/tp-speed${TAG:+-$TAG}; OLD=${OLD:-carry/old}; BUDGET=${BUDGET:-560}
 mkdir -p "$OUT" "$R"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
@@ -20,21 +23,29 @@ mkdir -p "$OUT" "$R"
 head -4 "$R/machine.txt"
 M=(--config gpt2-1.5b model.n_head=20 model.vocab_size=50257 model.loss_chunk=0 data.source=synthetic
    train.on_nan=off train.compile=true train.compile_scope=block train.global_batch_size=64)
-run() {  # run NAME PYTHONPATH [overrides and flags...]
-  local name=$1 path=$2; shift 2
+run() {  # run NAME NPROC PYTHONPATH [overrides and flags...]
+  local name=$1 np=$2 path=$3; shift 3
   [ $((BUDGET - SECONDS)) -lt 100 ] && { echo "[$name] skipped: time"; return; }
-  PYTHONPATH=$path timeout $((BUDGET - SECONDS)) torchrun --standalone --nproc_per_node $NP -m distlm bench "${M[@]}" \
+  PYTHONPATH=$path timeout $((BUDGET - SECONDS)) torchrun --standalone --nproc_per_node "$np" -m distlm bench "${M[@]}" \
     "$@" --warmup 3 --steps 6 --no-comm-probe --json "$R/$name.json" > "$R/$name.log" 2>&1
-  grep -E "tok/s|MFU|optimizer|step split|memory" "$R/$name.log" | head -8 | sed "s/^/[$name] /"
+  grep -E "tok/s|MFU|optimizer|step split|memory|profile" "$R/$name.log" | head -8 | sed "s/^/[$name] /"
   grep -m3 -E "Error|error:" "$R/$name.log" | sed "s/^/[$name] /"
-  tar -czf "$OUT/tp-speed.tgz" -C /tmp --exclude="*trace*" --exclude="*.pt.trace.json*" tp-speed  # traces are too big to come back
+  # traces are too big to come back; the profile's summary (profile.md) does
+  tar -czf "$OUT/tp-speed${TAG:+-$TAG}.tgz" -C /tmp --exclude="*trace*" "$(basename "$R")"
 }
-run before_tp2 "$PWD/$OLD" parallel.tp=2 train.micro_batch_size=8
-run fsdp2 "$PWD" parallel.dp_shard=2 train.micro_batch_size=8
-# async TP first: its compile is the longest, and the plain TP2 after the fix was measured on 2026-11-26
-run tp2_async "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=8 --profile "$R/prof-tp2-async"
-run tp2 "$PWD" parallel.tp=2 train.micro_batch_size=8
-run tp2_mb16 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16
+for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
+  case $item in
+    fsdp2) run fsdp2 2 "$PWD" parallel.dp_shard=2 train.micro_batch_size=8 ;;
+    fsdp4) run fsdp4 4 "$PWD" parallel.dp_shard=4 train.micro_batch_size=8 ;;
+    before_tp2) run before_tp2 2 "$PWD/$OLD" parallel.tp=2 train.micro_batch_size=8 ;;
+    tp2) run tp2 2 "$PWD" parallel.tp=2 train.micro_batch_size=8 --profile "$R/prof-tp2" ;;
+    tp2_async) run tp2_async 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=8 --profile "$R/prof-tp2-async" ;;
+    tp2_mb16) run tp2_mb16 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
+    tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
+    tp2_fsdp2_async) run tp2_fsdp2_async 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 parallel.async_tp=true train.micro_batch_size=8 ;;
+    *) echo "unknown item $item" >&2 ;;
+  esac
+done
 python3 - "$R" <<'PY'
 import json, sys, glob, os
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
