@@ -9,12 +9,12 @@
 # stays, split evenly). The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
 # tokens) is laid out and prepared here, on the machine that runs it: GCIDE is GPL and is never
 # vendored. Validation is over the whole val split (train.eval_batches=0) in every run.
-# Results: $OUT/speedrun-table.md, the two plots, and each run's metrics.csv and log.
+# Results: $OUT/${TAG}/speedrun-table.md and the two plots; each run's log and metrics.csv in $OUT/runs-${TAG}.tgz.
 set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=${PYTHONPATH:-$PWD}   # PYTHONSAFEPATH keeps the current folder off sys.path
 PY=${PY:-python3}
-OUT=${OUT:-/tmp/out}; WORK=${WORK:-/tmp/speedrun}; mkdir -p "$OUT" "$WORK"
+OUT=${OUT:-/tmp/out}; WORK=${WORK:-/tmp/speedrun}; LOGS=$WORK/logs; mkdir -p "$OUT" "$LOGS"
 CORPUS=${CORPUS:?set CORPUS to the folder holding gutenberg/ sotu/ gcide/}
 DATA=$WORK/data
 if [ ! -f "$DATA/manifest.json" ]; then
@@ -85,15 +85,16 @@ for run in "${@:-baseline speedrun}"; do
     [ "${WARM:-0}" = 1 ] || export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$name-$RANDOM"
     rm -rf "$WORK/runs/$name"
     launch=$(date +%s.%N)
-    "${launcher[@]}" train "${args[@]}" "${par[@]}" "${COMMON[@]}" log.name="$name" > "$OUT/$name.log" 2>&1
+    "${launcher[@]}" train "${args[@]}" "${par[@]}" "${COMMON[@]}" log.name="$name" > "$LOGS/$name.log" 2>&1
     rc=$?
-    echo "[$name] rc $rc in $($PY -c "import time; print(round(time.time() - $launch, 1))") s: $(grep -E '^done|error' "$OUT/$name.log" | tail -1)"
-    cp "$WORK/runs/$name/metrics.csv" "$OUT/$name-metrics.csv" 2>/dev/null
+    echo "[$name] rc $rc in $($PY -c "import time; print(round(time.time() - $launch, 1))") s: $(grep -E '^done|error' "$LOGS/$name.log" | tail -1)"
+    cp "$WORK/runs/$name/metrics.csv" "$LOGS/$name-metrics.csv" 2>/dev/null
     specs+=("$WORK/runs/$name=$launch")
-    echo "$name $launch" >> "$OUT/launch-times.txt"  # the report can be rebuilt from the CSVs with these
+    echo "$name $launch" >> "$LOGS/launch-times.txt"  # the report can be rebuilt from the CSVs with these
+    # The device returns at most 8 files: logs and CSVs travel as one archive, rewritten after
+    # each run so that a run cut short by the call's time limit still leaves the earlier ones.
+    tar -czf "$OUT/runs${TAG:+-$TAG}.tgz" -C "$WORK" logs
   done
 done
 OUT_REPORT=${TAG:+$OUT/$TAG}; mkdir -p "${OUT_REPORT:-$OUT}"
 $PY benchmarks/speedrun_report.py "${OUT_REPORT:-$OUT}" "${specs[@]}" || echo "report failed: rebuild it from runs.tgz"
-# The device returns at most 8 files: the logs and CSVs travel as one archive.
-tar -czf "$OUT/runs${TAG:+-$TAG}.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *-metrics.csv launch-times.txt 2>/dev/null) && (cd "$OUT" && rm -f *.log *-metrics.csv)
