@@ -86,7 +86,7 @@ bench() {  # bench NAME one|two overrides...
   else
     two "$name" -m distlm bench "${M[@]}" "$@" --warmup 3 --steps 8 --json "$R/$name.json"
   fi
-  grep -h -E "tok/s|exposed|Error|error:" "$R/$name".node*.log | head -4 | sed "s/^/[$name] /"
+  grep -h -E "tok/s|exposed|nodes;|Error|error:" "$R/$name".node*.log | head -5 | sed "s/^/[$name] /"
   pack
 }
 want 2 && bench ddp_one one parallel.dp_replicate=$NP

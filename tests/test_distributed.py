@@ -268,6 +268,25 @@ def test_two_node_c10d_rendezvous_through_cli(root, reference):
     assert_matches(root / "two_node", reference)
 
 
+def test_hsdp_on_two_nodes_shards_inside_a_node(root):
+    """HSDP over two launchers of two processes: the shard groups (reduce-scatter, all-gather)
+    stay inside a node and only the replicate groups (all-reduce) cross; the bench records
+    and prints which, as the two-node GPU benchmark reads it (benchmarks/two_nodes.sh)."""
+    endpoint, out = f"127.0.0.1:{free_port()}", root / "hsdp_two_nodes.json"
+    procs = [torchrun("--nnodes=2", "--nproc_per_node=2", f"--node_rank={i}", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=distlm-hsdp", f"--rdzv-conf=is_host={int(i == 0)}",
+                      "-m", "distlm", "bench", "--config", "tiny", "data.source=synthetic", "train.device=cpu",
+                      "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.dp_replicate=2",
+                      "parallel.dp_shard=2", "parallel.timeout_s=60", f"log.root={root}",
+                      "--warmup", "1", "--steps", "1", "--no-comm-probe", "--json", str(out)) for i in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert json.loads(out.read_text())["mesh_spread"] == {"nodes": 2, "nodes_spanned": {"dp_replicate": 2,
+                                                                                        "dp_shard": 1}}
+    assert "2 nodes; the process groups of each mesh axis span at most: dp_replicate 2 nodes, dp_shard 1 node" \
+        in "".join(outs)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, from /proc (children before their own children)."""
     parent = {}

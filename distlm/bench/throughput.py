@@ -98,6 +98,26 @@ def _max_over_ranks(value: float, device) -> float:
     return float(t.item())
 
 
+def mesh_spread(dims) -> Optional[dict]:
+    """For each mesh axis of size > 1: how many nodes its process groups span, at most (1 =
+    every group stays inside a node). A node is a launcher: torchrun's GROUP_RANK. This is
+    how a two-node run shows that HSDP reduce-scatters inside a node and all-reduces across."""
+    import os
+    if not dist.is_initialized() or dims.mesh is None:
+        return None
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", 0)))
+    mine = {}
+    for axis in dims.mesh.mesh_dim_names:
+        sub = dims.mesh[axis]
+        if sub.size() > 1:
+            ranks = dist.get_process_group_ranks(sub.get_group())
+            mine[axis] = len({nodes[r] for r in ranks})
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"nodes": len(set(nodes)), "nodes_spanned": {axis: max(m[axis] for m in every) for axis in mine}}
+
+
 def cap_memory(gib: float) -> None:
     """Let the caching allocator use at most ``gib`` GiB of this process's GPU, so a
     larger card can show whether a layout fits a smaller one (79 GiB: an 80 GB H100)."""
@@ -169,6 +189,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "peak_mem_gb": _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
         if device.type == "cuda" else None,
         "pp_schedule": cfg.parallel.pp_schedule if dims.pp > 1 else None,
+        "mesh_spread": mesh_spread(dims),
         "pp_microbatches": trainer.stepper.n_microbatches,
         "date": time.strftime("%Y-%m-%d"), "memory_cap_gib": memory_cap_gib or None, "run_dir": str(trainer.run_dir),
         "profile": prof and {"dir": str(profile_dir), "categories_s": prof["categories_s"], "idle_s": prof["idle_s"]},
@@ -215,6 +236,10 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
         split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["profile"]["categories_s"].items())
         print(f"profile (ms per step): {split}, idle {1e3 * r['profile']['idle_s']:.1f}; "
               f"{r['profile']['dir']}/profile.md")
+    spread = r.get("mesh_spread")
+    if spread and spread["nodes"] > 1:
+        print(f"{spread['nodes']} nodes; the process groups of each mesh axis span at most: " + ", ".join(
+            f"{axis} {n} node{'s' if n > 1 else ''}" for axis, n in spread["nodes_spanned"].items()))
     if r["peak_mem_gb"] is not None:
         print(f"peak memory {r['peak_mem_gb']:.2f} GiB per GPU (max over ranks)")
     if json_out:
