@@ -12,7 +12,8 @@
 #      node 1's launcher and its workers get SIGKILL; node 1 is started again; the run must finish
 #   4. cross-layout resume: that run's checkpoint continues under one launcher of NP processes (FSDP) and of
 #      NP/2 (DDP or one process)
-# Results: $OUT/two-nodes.tgz (logs, JSON) and a summary on stdout. ONLY="3 4" runs some items.
+# Results: $OUT/two-nodes.tgz (logs, JSON) and a summary on stdout. ONLY="3 4" runs some items;
+# COMPILE=false benches and trains eagerly (no compile time).
 set -uo pipefail
 DEV=${DEV:-cuda}; NP=${NP:-$( [ "$DEV" = cuda ] && nvidia-smi -L | wc -l || echo 2 )}; PER=$((NP / 2))
 OUT=${OUT:-/tmp/out}; R=/tmp/two-nodes; BUDGET=${BUDGET:-560}; PORT=${PORT:-29611}
@@ -36,7 +37,7 @@ pack() {  # logs, JSON and metrics only: the checkpoints (1.5 GB for 124M) would
 head -3 "$R/machine.txt"
 if [ "$DEV" = cuda ]; then
   M=(--config gpt2-124m-1024 model.vocab_size=50257 data.source=synthetic train.on_nan=off train.global_batch_size=$((16 * NP))
-     train.micro_batch_size=16)
+     train.micro_batch_size=16 train.compile=${COMPILE:-true})  # COMPILE=false: no compile time in a short call
 else
   M=(--config tiny data.source=synthetic train.global_batch_size=$((4 * NP)) train.micro_batch_size=2)
 fi
