@@ -16,13 +16,13 @@ parameter's own layout (a DTensor shard under FSDP2/TP), and reshards like AdamW
 
 Distributed. Newton-Schulz needs whole matrices, and each matrix is orthogonalised by one
 rank only:
-  - DDP (plain tensors, gradients already all-reduced): rank r takes matrices r, r+W, ...;
-    the results are all-gathered over the DDP group.
-  - FSDP2 / TP / FSDP2 x TP / HSDP (DTensors): the matrices of one (mesh, placements,
-    shape) are stacked n = mesh.size() at a time. The stack, sharded as each matrix is,
-    is redistributed so that every rank of the mesh holds one whole matrix (an all-to-all
-    under FSDP2 or TP, done by DTensor), orthogonalised there, and redistributed back to
-    the original sharding; each rank then updates its own shard.
+  - DDP (plain tensors, gradients already all-reduced) and FSDP2 / TP / FSDP2 x TP / HSDP
+    (DTensors): the matrices of one (mesh, placements, shape) are stacked, dealt to the
+    ranks in turn. The stack, sharded as each matrix is (replicated under DDP), is
+    redistributed so that every rank holds its share as whole matrices (a local slice under
+    DDP, an all-to-all under FSDP2 or TP, done by DTensor), orthogonalised there as one
+    batch, and redistributed back (an all-gather under DDP); each rank then updates its own
+    shard. One redistribution pair per bucket, whatever the model's depth.
   - anything else (one process, pipeline stages without data parallelism, Horovod): every
     rank orthogonalises the matrices it holds.
 """
@@ -297,40 +297,41 @@ class Muon(torch.optim.Optimizer):
             return len(items)
         from torch.distributed.tensor import DTensor, Replicate, Shard
         src_pl = _shift(placements) if placements is not None else (Replicate(),)
-        whole = (Shard(0),) * mesh.ndim  # nested over every mesh dim: one matrix per rank
+        whole = (Shard(0),) * mesh.ndim  # nested over every mesh dim: contiguous matrices per rank
         n = mesh.size()
-        gshape = (n, *shape)
+        # The whole bucket in one stack of n * per slots, rank r owning slots [r per, (r+1) per):
+        # one redistribution there and one back, and each rank orthogonalises its share as one
+        # batch. (One round of n matrices at a time cost a redistribution pair and an unbatched
+        # Newton-Schulz per round: 78 ms of a 130 ms DDP2 step for speedrun-124m on 2 H100s.)
+        per = -(-len(items) // n)
+        total = n * per
+        gshape = (total, *shape)
         stride = _contiguous_stride(gshape)
         me = self._flat_coordinate(mesh)
-        done = 0
-        for start in range(0, len(items), n):
-            chunk = items[start:start + n]
-            # Slot r of the stack goes to rank r. A bucket's last round may hold fewer
-            # matrices than ranks: the rest of the slots are zeros, skipped by their owners.
-            # The filled slots start where the previous round on this mesh stopped, so those
-            # partial rounds do not all land on the first ranks.
-            first = cursor.get(mesh, 0)
-            slots = [(first + j) % n for j in range(len(chunk))]
-            cursor[mesh] = (first + len(chunk)) % n
-            moms = [m.to(self.ns_dtype) for _, m, _ in chunk]
-            local = [torch.zeros_like(moms[0])] * n
-            for slot, m in zip(slots, moms):
-                local[slot] = m
-            stacked = torch.stack(local)
-            device = stacked.device
-            if device.type != mesh.device_type:  # FSDP2 CPU offload: shards in host memory
-                stacked = stacked.to(torch.device(mesh.device_type, torch.cuda.current_device())
-                                     if mesh.device_type == "cuda" else torch.device(mesh.device_type))
-            dt = DTensor.from_local(stacked, mesh, src_pl, run_check=False, shape=gshape, stride=stride)
-            mine = dt.redistribute(mesh, whole).to_local()  # (1, *shape): one whole matrix
-            if me in slots:
-                mine = self._orthogonalise(mine, split, steps)
-                done += 1
-            back = DTensor.from_local(mine, mesh, whole, run_check=False, shape=gshape,
-                                      stride=stride).redistribute(mesh, src_pl).to_local().to(device)
-            for (p, _, step_size), slot in zip(chunk, slots):
-                _local(p).add_(back[slot], alpha=-step_size)
-        return done
+        # Matrices are dealt to the ranks in turn, starting at the rank after the one the
+        # previous bucket on this mesh ended on: shares differ by at most one per bucket and
+        # the short ones rotate. Matrix j goes to rank (start + j) % n, at that rank's next slot.
+        start = cursor.get(mesh, 0)
+        slots = [((start + j) % n) * per + (start + j) // n for j in range(len(items))]
+        cursor[mesh] = (start + len(items)) % n
+        moms = [m.to(self.ns_dtype) for _, m, _ in items]
+        local = [torch.zeros_like(moms[0])] * total
+        for slot, m in zip(slots, moms):
+            local[slot] = m
+        stacked = torch.stack(local)
+        device = stacked.device
+        if device.type != mesh.device_type:  # FSDP2 CPU offload: shards in host memory
+            stacked = stacked.to(torch.device(mesh.device_type, torch.cuda.current_device())
+                                 if mesh.device_type == "cuda" else torch.device(mesh.device_type))
+        dt = DTensor.from_local(stacked, mesh, src_pl, run_check=False, shape=gshape, stride=stride)
+        mine = dt.redistribute(mesh, whole).to_local()  # (per, *shape): whole matrices
+        # Empty slots hold zeros, which stay zeros (x / (|x| + eps)): no need to skip them.
+        mine = self._orthogonalise(mine, split, steps)
+        back = DTensor.from_local(mine, mesh, whole, run_check=False, shape=gshape,
+                                  stride=stride).redistribute(mesh, src_pl).to_local().to(device)
+        for (p, _, step_size), slot in zip(items, slots):
+            _local(p).add_(back[slot], alpha=-step_size)
+        return sum(me * per <= slot < (me + 1) * per for slot in slots)
 
     @staticmethod
     def _flat_coordinate(mesh) -> int:
