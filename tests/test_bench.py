@@ -46,3 +46,24 @@ def test_negative_scaling_gets_advice_and_plots(tmp_path):
     scaling.plot(rows, tmp_path / "s.png", "weak")
     import matplotlib.image
     assert matplotlib.image.imread(tmp_path / "s.png").ndim == 3
+
+
+def test_profile_counts_kernels_not_the_ranges_around_them():
+    """On a GPU the profiler also reports record_function ranges (c10d's "nccl:all_gather...",
+    "Optimizer.step#Muon.step", DDP's forward) with the device time of the kernels inside;
+    summed with those kernels they counted communication twice (TP2: 3.1 s of a 2.4 s step)."""
+    from types import SimpleNamespace
+    import torch
+    from distlm.bench.profile import kernel_times, summarize
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def evt(key, ms, annotation=False, device=cuda):
+        return SimpleNamespace(key=key, self_device_time_total=ms * 1e3, count=2, device_type=device,
+                               is_user_annotation=annotation)
+    events = [evt("ncclDevKernel_AllGather_RING_LL", 9.0), evt("nccl:all_gather_into_tensor_coalesced", 9.0, True),
+              evt("Optimizer.step#Muon.step", 40.0, True), evt("nvjet_sm90_tst_192x192", 5.0),
+              evt("aten::mm", 5.0, device=torch.autograd.DeviceType.CPU)]
+    rows = kernel_times(SimpleNamespace(key_averages=lambda: events), cuda=True)
+    assert [r[0] for r in rows] == ["ncclDevKernel_AllGather_RING_LL", "nvjet_sm90_tst_192x192"]
+    s = summarize(rows, steps=1, step_s=0.02)
+    assert s["categories_s"] == {"communication": 0.009, "matmul": 0.005} and abs(s["idle_s"] - 0.006) < 1e-12
