@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two "nodes" on one machine (issue 19): two torchrun launchers of NP/2 processes each, `--nnodes 2
-# --node_rank 0/1`, c10d rendezvous on a TCP port, NCCL forced onto its network path as between hosts
-# (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1; NVLink multicast off). One device call (< 10 min):
+# --node_rank 0/1`, c10d rendezvous on a TCP port, NCCL between the "nodes" on its network path as between
+# hosts (EMULATE below; NVLink multicast off). One device call (< 10 min):
 #   bash benchmarks/two_nodes.sh                 # on a 2- or 4-GPU machine
 #   DEV=cpu NP=2 bash benchmarks/two_nodes.sh    # the same steps on CPU with gloo (a rehearsal; slow models)
 # Items, each skipped when the time left is short:
@@ -22,7 +22,14 @@ export NVSHMEM_DISABLE_NVLS=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-2n OMP_NUM_T
 # A replaced node's agent starts its restart count at 0 while the survivors' count on: a store shared
 # across rendezvous rounds would then be read with different key prefixes. One store per round avoids it.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-NET=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
+# How a "node" is kept apart from the other. EMULATE=hostid (the default): each launcher gets its
+# own NCCL_HOSTID, so NCCL sees two hosts: NVLink/P2P inside a node, its network (socket)
+# transport between them, as on a cluster. EMULATE=disable: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1,
+# every link on the socket path, inside a node too (how the 2026-11-26 runs were made: with two
+# GPUs a node it also slowed HSDP's in-node reduce-scatter; hostid is not yet run on GPUs).
+net() {  # net NODE: the environment of that node's launcher
+  if [ "${EMULATE:-hostid}" = hostid ]; then echo env NCCL_HOSTID=distlm-node$1
+  else echo env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1; fi; }
 gpus() {  # gpus NODE: the CUDA_VISIBLE_DEVICES of a "node" (on one host both would start at GPU 0)
   [ "$DEV" = cuda ] && seq -s, $(($1 * PER)) $(($1 * PER + PER - 1)) || echo ""; }
 PY=${PY:-python3}; [ -x .venv/bin/python ] && [ "$DEV" = cpu ] && PY=.venv/bin/python
@@ -44,9 +51,9 @@ fi
 one() { $PY -m torch.distributed.run --standalone --nproc_per_node "$NP" "$@"; }
 two() {  # two NAME ARGS...: both launchers, node 1 in the background; output in $R/NAME.node{0,1}.log
   local name=$1; shift
-  CUDA_VISIBLE_DEVICES=$(gpus 1) "${NET[@]}" $PY -m torch.distributed.run --nnodes 2 --nproc_per_node "$PER" --node_rank 1 --rdzv-backend c10d \
+  CUDA_VISIBLE_DEVICES=$(gpus 1) $(net 1) $PY -m torch.distributed.run --nnodes 2 --nproc_per_node "$PER" --node_rank 1 --rdzv-backend c10d \
     --rdzv-endpoint "localhost:$PORT" --rdzv-id "$name" "$@" > "$R/$name.node1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$(gpus 0) "${NET[@]}" $PY -m torch.distributed.run --nnodes 2 --nproc_per_node "$PER" --node_rank 0 --rdzv-backend c10d \
+  CUDA_VISIBLE_DEVICES=$(gpus 0) $(net 0) $PY -m torch.distributed.run --nnodes 2 --nproc_per_node "$PER" --node_rank 0 --rdzv-backend c10d \
     --rdzv-endpoint "localhost:$PORT" --rdzv-id "$name" "$@" > "$R/$name.node0.log" 2>&1
   local rc=$?; wait; return $rc
 }
@@ -103,7 +110,7 @@ T=(-m distlm train "${M[@]}" log.root="$R/runs" log.name=elastic train.resume=au
 if want 3 && [ "$(left)" -gt 150 ]; then
   start=$SECONDS
   node() {  # node RANK LOG: one launcher of the elastic run, its own process group
-    CUDA_VISIBLE_DEVICES=$(gpus "$1") setsid "${NET[@]}" $PY -m torch.distributed.run --nnodes 2 --nproc_per_node "$PER" --node_rank "$1" \
+    CUDA_VISIBLE_DEVICES=$(gpus "$1") setsid $(net "$1") $PY -m torch.distributed.run --nnodes 2 --nproc_per_node "$PER" --node_rank "$1" \
       --rdzv-backend c10d --rdzv-endpoint "localhost:$PORT" --rdzv-id elastic --max_restarts 3 \
       --rdzv-conf "join_timeout=120,is_host=$(( $1 == 0 ))" "${T[@]}" >> "$2" 2>&1 &
     echo $!
