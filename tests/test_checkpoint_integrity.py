@@ -104,9 +104,32 @@ def test_checksum_mismatch_is_found_by_a_fresh_process_too(run):
     st = os.stat(folder / "__0_0.distcp")
     (folder / "__0_0.distcp").write_bytes(data)
     os.utime(folder / "__0_0.distcp", ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the mtime put back
-    ckpt._VERIFIED.clear()
     with pytest.raises(CorruptCheckpoint, match="__0_0.distcp does not match its sha256 checksum"):
         ckpt.verify_checkpoint(folder)
+
+
+def test_a_memo_spares_hashing_an_unchanged_checkpoint_twice(tmp_path, monkeypatch):
+    """The Trainer's VerifiedFiles: files hashed at save are not read again to load, prune or
+    resume them while they are unchanged; a changed file is hashed (and caught) again; and
+    without a memo every verification hashes (one-off loads, other processes)."""
+    import distlm.checkpoint.verify as verify
+    hashed = []
+    real = verify._file_digest
+    monkeypatch.setattr(verify, "_file_digest", lambda path: hashed.append(Path(path).name) or real(path))
+    memo = ckpt.VerifiedFiles()
+    model, opt = tiny_model()
+    folder = ckpt.save_checkpoint(tmp_path / "checkpoints", 2, model, opt, marker_meta(2), memo=memo)
+    ckpt.update_meta(folder, memo=memo, val_loss=1.0)
+    assert ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)["step"] == 2
+    ckpt.prune_checkpoints(tmp_path / "checkpoints", 1, memo=memo)
+    assert hashed == []
+    ckpt.verify_checkpoint(folder)
+    assert "__0_0.distcp" in hashed
+    hashed.clear()
+    flip_byte(folder / "__0_0.distcp", 5000)
+    with pytest.raises(CorruptCheckpoint, match="__0_0.distcp does not match"):
+        ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)
+    assert "__0_0.distcp" in hashed
 
 
 def test_checkpoint_without_checksums_loads_with_one_note(run, capsys):
@@ -115,8 +138,9 @@ def test_checkpoint_without_checksums_loads_with_one_note(run, capsys):
     del meta["files"]
     (folder / ckpt.MARKER).write_text(json.dumps(meta))
     capsys.readouterr()
+    memo = ckpt.VerifiedFiles()  # one note per checkpoint for whoever holds the memo (a run)
     for _ in range(2):
-        assert ckpt.load_checkpoint(folder, *fresh_model())["step"] == 4
+        assert ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)["step"] == 4
     err = capsys.readouterr().err
     assert err.count("has no checksums") == 1 and str(folder) in err
 
@@ -124,7 +148,6 @@ def test_checkpoint_without_checksums_loads_with_one_note(run, capsys):
 def test_update_meta_keeps_the_checksums_valid(run):
     folder = ck(run, 6)
     ckpt.update_meta(folder, val_loss=1.5)
-    ckpt._VERIFIED.clear()
     ckpt.verify_checkpoint(folder)
     assert ckpt.read_meta(folder)["val_loss"] == 1.5
     with pytest.raises(ValueError):
@@ -274,7 +297,6 @@ def test_params_finite_with_a_process_group_and_dtensor_shards(tmp_path):
         assert all(isinstance(p, DTensor) for p in model.parameters())
         assert ckpt.params_finite(model)
         saved = ckpt.save_checkpoint(tmp_path / "checkpoints", 2, model, opt, marker_meta(2))
-        ckpt._VERIFIED.clear()
         assert ckpt.load_checkpoint(saved, model, opt)["step"] == 2
         with torch.no_grad():
             next(model.parameters()).to_local()[0, 0] = float("inf")
@@ -329,7 +351,6 @@ def test_failed_save_is_one_error_class_with_a_readable_cause(run, monkeypatch, 
     assert e.value.cause.startswith(cause) and cause in one_line(e.value)
     assert str(ck(run, 8)) in str(e.value)
     assert not (run / "checkpoints" / ".tmp-step_0000008").exists() and not ck(run, 8).exists()
-    ckpt._VERIFIED.clear()
     ckpt.verify_checkpoint(ck(run, 6))  # the previous checkpoint is untouched
 
 
@@ -405,7 +426,6 @@ def test_full_disk_keeps_the_previous_checkpoint(small_fs):
         ckpt.save_checkpoint(root, 4, model, opt, marker_meta(4))
     assert e.value.cause.startswith(("disk full", "No space left on device")), e.value.cause
     assert list(root.iterdir()) == [first]
-    ckpt._VERIFIED.clear()
     ckpt.verify_checkpoint(first)
     assert ckpt.load_checkpoint(first, *fresh_model())["step"] == 2
     with pytest.raises(CheckpointSaveError):  # async: the error comes at finish()
@@ -453,5 +473,4 @@ def test_trainer_stops_on_an_injected_dcp_failure_keeping_the_previous_checkpoin
     msg = one_line(e.value)
     assert "cannot write checkpoint step_0000004" in msg and "disk full" in msg and f"{prev} is intact" in msg
     assert ckpt.list_checkpoints(tmp_path / "inj" / "checkpoints") == ([prev], [])
-    ckpt._VERIFIED.clear()
     ckpt.verify_checkpoint(prev)

@@ -21,13 +21,11 @@ What a loaded checkpoint is guaranteed to be:
 from __future__ import annotations
 
 import errno as errno_codes
-import hashlib
 import json
 import os
 import shutil
 import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -39,124 +37,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
+from distlm.checkpoint.files import MARKER, _fsync_dir, _hash_files, _listed_files, _own_files
+from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
+from distlm.checkpoint.verify import VerifiedFiles, read_meta, verify_checkpoint, verify_files  # noqa: F401 (re-exported)
 from distlm.io import atomic_write_text
 
-MARKER = "distlm.json"
-# One core, a 500 MB file in the page cache, this project's 2-core CPU box (with SHA-NI):
-# sha256 1218 MB/s, blake2b 714 MB/s, zlib.crc32 2884 MB/s, plain read 7882 MB/s.
-# sha256: a cryptographic hash at 40% of crc32's speed, and `sha256sum` checks a checkpoint
-# by hand. Files hash in parallel threads (hashlib releases the GIL), and at save each rank
-# hashes the files it wrote itself. End to end on that box, a 371 MB checkpoint (29M params
-# + AdamW, page cache): save 0.52 s -> 0.96 s, load 0.44 s -> 0.83 s with verification,
-# 0.37 s when this process saved or verified it already (see _VERIFIED).
-HASH = "sha256"
-_CHUNK = 4 << 20
 # DCP warns on every single-process save/load; one process is a supported layout here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-# ---- process group helpers -------------------------------------------------------------
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier():
-    if _distributed():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _flag_device() -> torch.device:
-    # NCCL reduces CUDA tensors only; gloo (and "cpu:gloo,cuda:nccl") reduce CPU ones.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _any_rank(flags: list[bool]) -> list[bool]:
-    """Element-wise OR of boolean flags over all ranks (collective when a group is up)."""
-    if not _distributed():
-        return list(flags)
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=_flag_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
-def _agree(error: Optional[BaseException], what: str) -> None:
-    """Collective, in place of a barrier: if any rank failed, every rank raises. A rank
-    that raised alone would leave the others waiting in the next collective until the timeout."""
-    if _any_rank([error is not None])[0]:
-        if error is not None:
-            raise error
-        raise CheckpointSaveError(f"{what}: failed on another rank (its output names the cause)",
-                                  "failed on another rank")
-
-
-# ---- files -------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_marker_file(rel: str) -> bool:
-    return rel == MARKER or rel.startswith(f".{MARKER}.tmp-")
-
-
-def _is_payload(rel: str) -> bool:
-    """A file some load reads: it must be listed, with its checksum, in the marker."""
-    return rel.endswith((".metadata", ".distcp")) or (rel.startswith("rng/") and rel.endswith(".pt"))
-
-
-def _listed_files(folder: Path) -> list[str]:
-    """Every file of a checkpoint folder but its marker, as sorted posix relative paths."""
-    out = []
-    for dirpath, _, names in os.walk(folder):
-        for n in names:
-            rel = (Path(dirpath) / n).relative_to(folder).as_posix()
-            if not _is_marker_file(rel):
-                out.append(rel)
-    return sorted(out)
-
-
-def _file_digest(path: Path) -> tuple[int, str]:
-    h, n = hashlib.new(HASH), 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while k := f.readinto(buf):
-            h.update(view[:k])
-            n += k
-    return n, h.hexdigest()
-
-
-def _hash_files(folder: Path, rels: list[str]) -> dict[str, dict]:
-    """{rel: {"bytes": n, HASH: hex}}, the files hashed in parallel threads."""
-    if not rels:
-        return {}
-    workers = max(1, min(len(rels), os.cpu_count() or 1, 8))
-    with ThreadPoolExecutor(workers) as pool:
-        done = list(pool.map(lambda r: _file_digest(folder / r), rels))
-    return {r: {"bytes": n, HASH: hx} for r, (n, hx) in zip(rels, done)}
-
-
-def _own_files(folder: Path, rank: int) -> list[str]:
-    """The files this rank wrote (DCP names a rank's data files __RANK_*.distcp): hashing
-    them on the rank that wrote them reads its own page cache, in parallel with the others.
-    Anything nobody claims (the .metadata, a naming scheme of a later torch) rank 0 hashes."""
-    own = [p.relative_to(folder).as_posix() for p in folder.glob(f"__{rank}_*.distcp")]
-    rng = f"rng/rank_{rank:05d}.pt"
-    return sorted(own + ([rng] if (folder / rng).is_file() else []))
 
 
 # ---- non-finite weights --------------------------------------------------------------------
@@ -211,10 +99,12 @@ def _as_save_error(e: BaseException, final: Path) -> CheckpointSaveError:
     return CheckpointSaveError(f"cannot write checkpoint {final}: {cause}", cause, code)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, async_save: bool = False):
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, async_save: bool = False,
+                    memo: Optional[VerifiedFiles] = None):
     """Collective: every rank calls it. Returns the final folder, or (async_save) a
     PendingSave whose ``finish()`` must be called (also collectively) before the
     checkpoint counts: until then it is a ``.tmp-step_*`` folder that resume skips.
+    ``memo`` remembers the files as verified (their checksums were just computed).
 
     Any failure is a CheckpointSaveError (NonFiniteCheckpoint for NaN/Inf weights, found
     before anything is written), raised on every rank, with the temp folder removed and
@@ -251,9 +141,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
             # async_save copies the state to host memory before returning; the files are
             # written by a background thread while training goes on.
             future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-            return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error)
+            return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error)
+        _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         discard(tmp)
         raise _as_save_error(e, final) from e
@@ -274,7 +164,8 @@ def _remove_checkpoint(p: Path) -> None:
     shutil.rmtree(p, ignore_errors=True)
 
 
-def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict, carried: Optional[BaseException] = None) -> None:
+def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict, carried: Optional[BaseException] = None,
+              memo: Optional[VerifiedFiles] = None) -> None:
     """Collective. Each rank hashes the files it wrote; rank 0 gathers the checksums, hashes
     what no rank claimed, writes the marker and renames the folder into place."""
     rank, error = _rank(), carried
@@ -300,18 +191,18 @@ def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict, carried: Opti
         try:
             files = {k: v for r in reports for k, v in r[0].items()}
             files.update(_hash_files(tmp, [r for r in _listed_files(tmp) if r not in files]))
-            _publish(ckpt_root, tmp, final, {**meta, "complete": True, "files": files})
+            _publish(ckpt_root, tmp, final, {**meta, "complete": True, "files": files}, memo)
         except Exception as e:
             error = e
     _agree(error, f"cannot write checkpoint {final}")
 
 
-def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict) -> None:
+def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict, memo: Optional[VerifiedFiles]) -> None:
     """Rank 0: the marker into the temp folder, then the folder into place."""
     if (final / MARKER).is_file():
         try:
             old = read_meta(final)
-            _verify_files(final, old, collective=False)
+            verify_files(final, old, collective=False, memo=memo)
         except CheckpointError:
             old = None  # that folder is damaged: the fresh save replaces it below
         if old is not None:
@@ -324,28 +215,33 @@ def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict) -> None:
             atomic_write_text(final / MARKER, json.dumps(kept, indent=1))
             shutil.rmtree(tmp, ignore_errors=True)
             _fsync_dir(ckpt_root)
-            _remember_verified(final, kept)
+            _remember(memo, final, kept)
             return
     atomic_write_text(tmp / MARKER, json.dumps(meta, indent=1))
     if final.exists():  # a torn or damaged folder of this step: replace it
         _remove_checkpoint(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
-    _remember_verified(final, meta)
+    _remember(memo, final, meta)
+
+
+def _remember(memo: Optional[VerifiedFiles], ckpt: Path, meta: dict) -> None:
+    if memo is not None and "files" in meta:
+        memo.remember(ckpt, meta["files"])
 
 
 class PendingSave:
     def __init__(self, future, ckpt_root: Path, tmp: Path, final: Path, meta: dict,
-                 rng_error: Optional[BaseException] = None):
+                 rng_error: Optional[BaseException] = None, memo: Optional[VerifiedFiles] = None):
         self.future, self.ckpt_root, self.tmp, self.final, self.meta = future, ckpt_root, tmp, final, meta
-        self.rng_error = rng_error
+        self.rng_error, self.memo = rng_error, memo
 
     def finish(self) -> Path:
         """Collective. Raises CheckpointSaveError (every rank) when the background write or
         the finalisation failed; the temp folder is gone then."""
         try:
             self.future.result()
-            _finalize(self.ckpt_root, self.tmp, self.final, self.meta, self.rng_error)
+            _finalize(self.ckpt_root, self.tmp, self.final, self.meta, self.rng_error, self.memo)
         except (Exception, CheckpointException) as e:
             discard(self.tmp)
             raise _as_save_error(e, self.final) from e
@@ -355,184 +251,22 @@ class PendingSave:
         return self.final
 
 
-# ---- the marker --------------------------------------------------------------------------
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _marker_problem(meta, resume: bool) -> Optional[str]:
-    """What is wrong with a parsed marker, or None. ``resume``: it must also hold the
-    trainer state a resume restores."""
-    if not isinstance(meta, dict):
-        return f"holds a JSON {type(meta).__name__}, not an object"
-    if "step" not in meta:
-        return "has no 'step'"
-    if not _is_int(meta["step"]) or meta["step"] < 0:
-        return f"'step' is {one_line(repr(meta['step']), 40)}, not a step number"
-    if not isinstance(meta.get("config"), dict):
-        return "has no 'config' section" if "config" not in meta else "'config' is not an object"
-    if resume:
-        trainer = meta.get("trainer")
-        if not isinstance(trainer, dict):
-            return "has no 'trainer' state" if "trainer" not in meta else "'trainer' is not an object"
-        if not _is_int(trainer.get("step")):
-            return "has no 'trainer.step'"
-    files = meta.get("files")
-    if files is not None:
-        if not isinstance(files, dict):
-            return "'files' is not an object"
-        for rel, entry in files.items():
-            parts = Path(rel).parts
-            if not rel or Path(rel).is_absolute() or ".." in parts or _is_marker_file(rel):
-                return f"'files' lists {one_line(rel, 80)}, not a file inside the checkpoint"
-            if (not isinstance(entry, dict) or not _is_int(entry.get("bytes"))
-                    or not isinstance(entry.get(HASH), str) or len(entry[HASH]) != hashlib.new(HASH).digest_size * 2):
-                return f"'files' entry of {one_line(rel, 80)} is not {{\"bytes\": n, \"{HASH}\": hex}}"
-    return None
-
-
-def read_meta(ckpt: Path, resume: bool = False) -> dict:
-    """A checkpoint's marker, checked for the keys every reader needs (``step``, ``config``;
-    with ``resume``, the trainer state too): a damaged one is a one-line CheckpointError."""
-    try:
-        meta = json.loads((Path(ckpt) / MARKER).read_text())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"{ckpt}: not a complete distlm checkpoint ({e.__class__.__name__})") from None
-    problem = _marker_problem(meta, resume)
-    if problem:
-        raise CorruptCheckpoint(f"{Path(ckpt) / MARKER}: {problem} (not written by distlm, or edited)")
-    return meta
-
-
-def update_meta(ckpt: Path, **fields) -> dict:
+def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> dict:
     """Rank 0: add or replace top-level entries of a complete checkpoint's marker (the final
     validation loss, written after the save), atomically. The checksums and the step stay
-    as saved: the marker is not among the files it lists, so they remain valid."""
+    as saved: the marker is not among the files it lists, so they remain valid (and a
+    ``memo`` that held the checkpoint as verified still does)."""
     ckpt = Path(ckpt)
     fixed = {"files", "step", "complete"} & set(fields)
     if fixed:
         raise ValueError(f"update_meta cannot change {sorted(fixed)}: they describe what was saved")
     meta = read_meta(ckpt)
-    key = str(ckpt.resolve())
-    was_verified = "files" in meta and _VERIFIED.get(key) == _fingerprint(ckpt, meta["files"])
+    was_verified = memo is not None and "files" in meta and memo.holds(ckpt, meta["files"])
     meta.update(fields)
     atomic_write_text(ckpt / MARKER, json.dumps(meta, indent=1))
     if was_verified:
-        _remember_verified(ckpt, meta)
+        memo.remember(ckpt, meta["files"])
     return meta
-
-
-# ---- verification ------------------------------------------------------------------------
-# Checkpoints this process has hashed (at save or load), with the stat of every file then:
-# a checkpoint read again unchanged (resume_target then load_checkpoint, prune after a
-# save) is not hashed twice. Any write to a file changes its mtime/ctime and voids it.
-_VERIFIED: dict[str, tuple] = {}
-_NOTED: set[str] = set()
-
-
-def _fingerprint(ckpt: Path, rels) -> Optional[tuple]:
-    out = []
-    for rel in (MARKER, *sorted(rels)):
-        try:
-            st = os.stat(Path(ckpt) / rel)
-        except OSError:
-            return None
-        out.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-    return tuple(out)
-
-
-def _remember_verified(ckpt: Path, meta: dict) -> None:
-    if "files" in meta:
-        fp = _fingerprint(ckpt, meta["files"])
-        if fp is not None:
-            _VERIFIED[str(Path(ckpt).resolve())] = fp
-
-
-def _note_unverified(ckpt: Path) -> None:
-    key = str(Path(ckpt).resolve())
-    if key not in _NOTED and _rank() == 0:
-        _NOTED.add(key)
-        print(f"note: {ckpt} has no checksums (saved before distlm recorded them); its files are not verified",
-              file=sys.stderr)
-
-
-def _shares(sizes: list[int], world: int) -> list[int]:
-    """Rank of each file: largest first onto the least-loaded rank (the same on every rank)."""
-    load, owner = [0] * world, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += sizes[i]
-    return owner
-
-
-_CODES = {1: "is missing", 2: "could not be read", 3: f"does not match its {HASH} checksum"}
-
-
-def _verify_files(ckpt: Path, meta: dict, collective: bool) -> None:
-    """Every file the marker lists has its size and checksum; no loadable file is unlisted.
-    ``collective`` (with a process group up, every rank calling): the files are split by size
-    among the ranks and each is read once in all, and every rank reaches the same verdict."""
-    ckpt = Path(ckpt)
-    files = meta.get("files")
-    if files is None:
-        _note_unverified(ckpt)
-        return
-    rels = sorted(files)
-    unlisted = [r for r in _listed_files(ckpt) if _is_payload(r) and r not in files]
-    if unlisted:
-        raise CorruptCheckpoint(f"{ckpt}: {one_line(unlisted[0], 100)} is not among the files its {MARKER} lists "
-                                f"(added after the save)")
-    for rel in rels:  # sizes first: cheap, and the same answer on every rank
-        p = ckpt / rel
-        if not p.is_file():
-            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is missing")
-        size = p.stat().st_size
-        if size != files[rel]["bytes"]:
-            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is {size} bytes, but {files[rel]['bytes']} "
-                                    f"were saved (truncated or changed)")
-    key, fp = str(ckpt.resolve()), _fingerprint(ckpt, rels)
-    cached = fp is not None and _VERIFIED.get(key) == fp
-    spread = collective and _distributed()
-    owner = _shares([files[r]["bytes"] for r in rels], _world()) if spread else [0] * len(rels)
-    mine = [] if cached else [r for r, o in zip(rels, owner) if o == _rank()]
-
-    def check(rel: str) -> int:
-        try:
-            _, hx = _file_digest(ckpt / rel)
-        except FileNotFoundError:
-            return 1
-        except OSError:
-            return 2
-        return 0 if hx == files[rel][HASH] else 3
-    codes = dict.fromkeys(rels, 0)
-    if mine:
-        with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 8))) as pool:
-            codes.update(zip(mine, pool.map(check, mine)))
-    if spread:  # one collective, always: a rank with a cached verdict contributes zeros
-        t = torch.tensor([codes[r] for r in rels], dtype=torch.int32, device=_flag_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        codes = dict(zip(rels, t.tolist()))
-    bad = [(r, c) for r, c in codes.items() if c]
-    if bad:
-        _VERIFIED.pop(key, None)
-        rel, code = bad[0]
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} {_CODES[code]}{more}: the files changed after the "
-                                f"save (bad disk or copy, or an edit)")
-    if fp is not None:
-        _VERIFIED[key] = fp
-
-
-def verify_checkpoint(ckpt: Path, collective: bool = True) -> None:
-    """Raises CorruptCheckpoint unless the checkpoint is usable for a resume: its marker has
-    the keys a resume needs, every file matches its saved checksum, and its DCP metadata
-    reads (safely). ``collective``: with a process group up every rank must call it (the
-    hashing is split among them); pass False from a single rank."""
-    ckpt = Path(ckpt)
-    meta = read_meta(ckpt, resume=True)
-    _verify_files(ckpt, meta, collective)
-    read_dcp_metadata(ckpt / ".metadata")
 
 
 # ---- finding checkpoints -----------------------------------------------------------------
@@ -569,7 +303,7 @@ def _reason(e: CheckpointError, ckpt: Path) -> str:
     return msg
 
 
-def _auto_candidates(run_dir: Path, say) -> Iterator[Path]:
+def _auto_candidates(run_dir: Path, say, memo: Optional[VerifiedFiles]) -> Iterator[Path]:
     """resume=auto: the run's complete checkpoints that verify, newest first (collective).
     Torn and corrupt ones are named and skipped; raises when there are checkpoints but
     none can be used (starting again from step 0 over them is a person's decision)."""
@@ -583,7 +317,7 @@ def _auto_candidates(run_dir: Path, say) -> Iterator[Path]:
     skipped = 0
     for p in reversed(complete):
         try:
-            verify_checkpoint(p)
+            verify_checkpoint(p, memo=memo)
         except CorruptCheckpoint as e:
             say(f"resume: skipping corrupt checkpoint {p}: {_reason(e, p)}")
             skipped += 1
@@ -595,7 +329,7 @@ def _auto_candidates(run_dir: Path, say) -> Iterator[Path]:
                             f"named above); move them aside, or set train.resume=never to start again")
 
 
-def resume_target(resume: str, run_dir: Path, say=print) -> Optional[Path]:
+def resume_target(resume: str, run_dir: Path, say=print, memo: Optional[VerifiedFiles] = None) -> Optional[Path]:
     """train.resume -> the checkpoint to load: ``never`` -> None; ``auto`` -> the run's newest
     complete checkpoint that verifies (torn and corrupt ones are named and skipped; None when
     there is none); else PATH. Collective for ``auto`` (verification is split among ranks)."""
@@ -603,10 +337,11 @@ def resume_target(resume: str, run_dir: Path, say=print) -> Optional[Path]:
         return None
     if resume != "auto":
         return resolve_checkpoint(resume)
-    return next(_auto_candidates(run_dir, say), None)
+    return next(_auto_candidates(run_dir, say, memo), None)
 
 
-def resume_and_load(resume: str, run_dir: Path, model, optimizer, say=print) -> tuple[Optional[Path], Optional[dict]]:
+def resume_and_load(resume: str, run_dir: Path, model, optimizer, say=print,
+                    memo: Optional[VerifiedFiles] = None) -> tuple[Optional[Path], Optional[dict]]:
     """resume_target, then load_checkpoint, in one: with ``auto``, a checkpoint that verifies
     but fails to load as corrupt (non-finite weights, an unreadable entry) is skipped too,
     for the one before it. Returns (folder, marker) or (None, None). Collective."""
@@ -614,10 +349,10 @@ def resume_and_load(resume: str, run_dir: Path, model, optimizer, say=print) -> 
         return None, None
     if resume != "auto":
         folder = resolve_checkpoint(resume)
-        return folder, load_checkpoint(folder, model, optimizer)
-    for folder in _auto_candidates(run_dir, say):
+        return folder, load_checkpoint(folder, model, optimizer, memo=memo)
+    for folder in _auto_candidates(run_dir, say, memo):
         try:
-            return folder, load_checkpoint(folder, model, optimizer)
+            return folder, load_checkpoint(folder, model, optimizer, memo=memo)
         except CorruptCheckpoint as e:
             say(f"resume: skipping corrupt checkpoint {folder}: {_reason(e, folder)}")
     return None, None
@@ -636,14 +371,14 @@ def _check_shapes(ckpt: Path, prefix: str, state: dict) -> None:
             raise CheckpointError(f"{ckpt}: '{key}' has shape {list(saved)} but the model expects {list(want)}")
 
 
-def load_model_state(ckpt: Path, model_sd: dict, verify: bool = True) -> dict:
+def load_model_state(ckpt: Path, model_sd: dict, verify: bool = True, memo: Optional[VerifiedFiles] = None) -> dict:
     """Collective. Fill ``model_sd`` (a model state dict from get_state_dict, or a part of
     one) in place with the checkpoint's model weights, checked like load_checkpoint's:
     checksums, names and shapes, safe unpickling, finite values. Returns the marker."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
     if verify:
-        _verify_files(ckpt, meta, collective=True)
+        verify_files(ckpt, meta, collective=True, memo=memo)
     _check_shapes(ckpt, "model", model_sd)
     safe_load({"model": model_sd}, ckpt)
     if _any_rank([not _locally_finite(model_sd.values())])[0]:
@@ -659,15 +394,16 @@ def _read_rng(rng_file: Path) -> dict:
     return rng
 
 
-def load_checkpoint(ckpt: Path, model, optimizer=None, verify: bool = True) -> dict:
+def load_checkpoint(ckpt: Path, model, optimizer=None, verify: bool = True,
+                    memo: Optional[VerifiedFiles] = None) -> dict:
     """Collective. Loads in place into whatever layout the model/optimizer now have.
-    ``verify``: check the files' checksums first (cheap when this process saved or verified
-    the checkpoint already). The loaded weights must be finite. Any problem is a one-line
+    ``verify``: check the files' checksums first (cheap when ``memo`` holds the checkpoint
+    as verified and unchanged). The loaded weights must be finite. Any problem is a one-line
     CheckpointError (CorruptCheckpoint for damaged content)."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt, resume=optimizer is not None)
     if verify:
-        _verify_files(ckpt, meta, collective=True)
+        verify_files(ckpt, meta, collective=True, memo=memo)
     if optimizer is None:
         model_sd = get_state_dict(model, [], options=StateDictOptions())[0]
         load_model_state(ckpt, model_sd, verify=False)
@@ -706,29 +442,28 @@ def _require_finite(ckpt: Path, model, rng_error: Optional[CheckpointError] = No
 
 
 # ---- pruning -----------------------------------------------------------------------------
-def newest_good_checkpoint(ckpt_root: Path) -> Optional[Path]:
+def newest_good_checkpoint(ckpt_root: Path, memo: Optional[VerifiedFiles] = None) -> Optional[Path]:
     """The newest complete checkpoint that verifies (rank 0 alone: not collective)."""
     complete, _ = list_checkpoints(ckpt_root)
     for p in reversed(complete):
         try:
-            verify_checkpoint(p, collective=False)
+            verify_checkpoint(p, collective=False, memo=memo)
             return p
         except CorruptCheckpoint as e:
-            key = f"prune:{p.resolve()}"
-            if key not in _NOTED:
-                _NOTED.add(key)
+            if memo is None or memo.first_note(f"prune:{p.resolve()}"):
                 print(f"warning: checkpoint {p} fails verification ({_reason(e, p)}); pruning keeps the newest "
                       f"one that verifies", file=sys.stderr)
     return None
 
 
-def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_also: list[Path] = ()) -> list[Path]:
+def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_also: list[Path] = (),
+                      memo: Optional[VerifiedFiles] = None) -> list[Path]:
     """Delete old complete checkpoints beyond the newest keep_last and those in keep_also
     (the best, the last before a fault). Never deleted: the newest complete one, and the
     newest one that verifies; when none verifies, nothing is deleted. Torn folders are left
     for a person to look at. Rank 0 only."""
     complete, _ = list_checkpoints(ckpt_root)
-    good = newest_good_checkpoint(ckpt_root) if complete else None
+    good = newest_good_checkpoint(ckpt_root, memo) if complete else None
     if good is None:
         return []
     keep = set(complete[-max(1, keep_last):]) | {Path(p) for p in keep_also} | {good}

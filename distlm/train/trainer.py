@@ -89,6 +89,9 @@ class Trainer:
         self.protected: list[str] = []  # checkpoints pruning must keep (the last one before a fault)
         self.nan_skips = 0
         self._pending: Optional[ckpt.PendingSave] = None
+        # Checkpoints this run hashed (saved, resumed from, verified when pruning): unchanged,
+        # they are not hashed again.
+        self.verified = ckpt.VerifiedFiles()
         self._last_saved_step: Optional[int] = None
         self.flops_per_token = flops_per_token(cfg.model, self.stepper.num_params(self.gpt, cfg))
         self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
@@ -128,7 +131,8 @@ class Trainer:
         # for the newest one that verifies and loads.
         with config_hyperparameters(self.optimizer):
             path, meta = ckpt.resume_and_load(self.cfg.train.resume, self.run_dir, self.model, self.optimizer,
-                                              say=print if self.dims.is_main else lambda msg: None)
+                                              say=print if self.dims.is_main else lambda msg: None,
+                                              memo=self.verified)
         if path is None:
             return None
         # Checked before loading for the newest checkpoint; again for the one loaded, which
@@ -226,7 +230,8 @@ class Trainer:
 
         def write(async_allowed: bool):
             return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
-                                        async_save=self.cfg.train.async_checkpoint and async_allowed)
+                                        async_save=self.cfg.train.async_checkpoint and async_allowed,
+                                        memo=self.verified)
 
         try:
             saved = self.engine.save(self.dims, self.comm, write, skipped=lambda: root / f"step_{self.step:07d}")
@@ -265,7 +270,7 @@ class Trainer:
         if self.dims.is_main:
             root = self.run_dir / "checkpoints"
             keep = [root / n for n in ([self.best_ckpt] if self.best_ckpt else []) + self.protected]
-            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, keep)
+            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, keep, memo=self.verified)
 
     # ---- the loop -----------------------------------------------------------------
     def train(self) -> dict:
@@ -360,7 +365,7 @@ class Trainer:
         keep it as the best when it is."""
         if self.best_val is None or val_loss < self.best_val:
             self.best_val, self.best_ckpt = val_loss, folder.name
-        ckpt.update_meta(folder, val_loss=val_loss, trainer=self.state_dict())
+        ckpt.update_meta(folder, memo=self.verified, val_loss=val_loss, trainer=self.state_dict())
 
     def _log_step(self, logger, say, loss, grad_norm, do_eval: bool, t_start: float) -> tuple[float, Optional[float]]:
         cfg = self.cfg

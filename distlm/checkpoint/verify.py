@@ -1,0 +1,202 @@
+"""Is a checkpoint what was saved? Its marker (distlm.json) is checked for the keys every
+reader needs, and every file it lists for its size and sha256 checksum.
+
+Hashing a large checkpoint takes seconds, and one process often reads the same checkpoint
+more than once (the Trainer saves it, then prunes, which verifies the newest; a resume
+finds a checkpoint, then loads it). A ``VerifiedFiles`` memo, owned by whoever does all
+that (the Trainer), remembers what it hashed with the stat of every file then, so an
+unchanged checkpoint is not hashed twice; any write to a file changes its mtime/ctime and
+voids the entry. Without a memo every call hashes: a one-off load in a fresh process."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from distlm.checkpoint.errors import CorruptCheckpoint
+from distlm.checkpoint.files import HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files
+from distlm.checkpoint.group import _distributed, _flag_device, _rank, _world
+from distlm.checkpoint.safe_dcp import one_line, read_dcp_metadata
+
+
+class VerifiedFiles:
+    """Checkpoints this object's owner hashed (at save or load), each with the stat of its
+    marker and files then."""
+
+    def __init__(self):
+        self._seen: dict[str, tuple] = {}
+        self._noted: set[str] = set()  # checkpoints without checksums, already reported
+
+    @staticmethod
+    def _fingerprint(ckpt: Path, rels) -> Optional[tuple]:
+        out = []
+        for rel in (MARKER, *sorted(rels)):
+            try:
+                st = os.stat(Path(ckpt) / rel)
+            except OSError:
+                return None
+            out.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+        return tuple(out)
+
+    def holds(self, ckpt: Path, rels) -> bool:
+        fp = self._fingerprint(ckpt, rels)
+        return fp is not None and self._seen.get(str(Path(ckpt).resolve())) == fp
+
+    def remember(self, ckpt: Path, rels) -> None:
+        fp = self._fingerprint(ckpt, rels)
+        if fp is not None:
+            self._seen[str(Path(ckpt).resolve())] = fp
+
+    def forget(self, ckpt: Path) -> None:
+        self._seen.pop(str(Path(ckpt).resolve()), None)
+
+    def first_note(self, key: str) -> bool:
+        """True the first time ``key`` (a note about a checkpoint) is asked about."""
+        new = key not in self._noted
+        self._noted.add(key)
+        return new
+
+
+def note_unverified(ckpt: Path, memo: Optional[VerifiedFiles]) -> None:
+    """A checkpoint saved before distlm recorded checksums loads unverified, with a note
+    (once per checkpoint per memo)."""
+    if _rank() == 0 and (memo is None or memo.first_note(f"unverified:{Path(ckpt).resolve()}")):
+        print(f"note: {ckpt} has no checksums (saved before distlm recorded them); its files are not verified",
+              file=sys.stderr)
+
+
+# ---- the marker --------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _marker_problem(meta, resume: bool) -> Optional[str]:
+    """What is wrong with a parsed marker, or None. ``resume``: it must also hold the
+    trainer state a resume restores."""
+    if not isinstance(meta, dict):
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    if "step" not in meta:
+        return "has no 'step'"
+    if not _is_int(meta["step"]) or meta["step"] < 0:
+        return f"'step' is {one_line(repr(meta['step']), 40)}, not a step number"
+    if not isinstance(meta.get("config"), dict):
+        return "has no 'config' section" if "config" not in meta else "'config' is not an object"
+    if resume:
+        trainer = meta.get("trainer")
+        if not isinstance(trainer, dict):
+            return "has no 'trainer' state" if "trainer" not in meta else "'trainer' is not an object"
+        if not _is_int(trainer.get("step")):
+            return "has no 'trainer.step'"
+    files = meta.get("files")
+    if files is not None:
+        if not isinstance(files, dict):
+            return "'files' is not an object"
+        for rel, entry in files.items():
+            parts = Path(rel).parts
+            if not rel or Path(rel).is_absolute() or ".." in parts or _is_marker_file(rel):
+                return f"'files' lists {one_line(rel, 80)}, not a file inside the checkpoint"
+            if (not isinstance(entry, dict) or not _is_int(entry.get("bytes"))
+                    or not isinstance(entry.get(HASH), str) or len(entry[HASH]) != hashlib.new(HASH).digest_size * 2):
+                return f"'files' entry of {one_line(rel, 80)} is not {{\"bytes\": n, \"{HASH}\": hex}}"
+    return None
+
+
+def read_meta(ckpt: Path, resume: bool = False) -> dict:
+    """A checkpoint's marker, checked for the keys every reader needs (``step``, ``config``;
+    with ``resume``, the trainer state too): a damaged one is a one-line CheckpointError."""
+    try:
+        meta = json.loads((Path(ckpt) / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{ckpt}: not a complete distlm checkpoint ({e.__class__.__name__})") from None
+    problem = _marker_problem(meta, resume)
+    if problem:
+        raise CorruptCheckpoint(f"{Path(ckpt) / MARKER}: {problem} (not written by distlm, or edited)")
+    return meta
+
+
+# ---- the files ---------------------------------------------------------------------------
+def _shares(sizes: list[int], world: int) -> list[int]:
+    """Rank of each file: largest first onto the least-loaded rank (the same on every rank)."""
+    load, owner = [0] * world, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+_CODES = {1: "is missing", 2: "could not be read", 3: f"does not match its {HASH} checksum"}
+
+
+def verify_files(ckpt: Path, meta: dict, collective: bool, memo: Optional[VerifiedFiles] = None) -> None:
+    """Every file the marker lists has its size and checksum; no loadable file is unlisted.
+    ``collective`` (with a process group up, every rank calling): the files are split by size
+    among the ranks and each is read once in all, and every rank reaches the same verdict.
+    ``memo``: files it holds as verified, unchanged since, are not read again."""
+    ckpt = Path(ckpt)
+    files = meta.get("files")
+    if files is None:
+        note_unverified(ckpt, memo)
+        return
+    rels = sorted(files)
+    unlisted = [r for r in _listed_files(ckpt) if _is_payload(r) and r not in files]
+    if unlisted:
+        raise CorruptCheckpoint(f"{ckpt}: {one_line(unlisted[0], 100)} is not among the files its {MARKER} lists "
+                                f"(added after the save)")
+    for rel in rels:  # sizes first: cheap, and the same answer on every rank
+        p = ckpt / rel
+        if not p.is_file():
+            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is missing")
+        size = p.stat().st_size
+        if size != files[rel]["bytes"]:
+            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is {size} bytes, but {files[rel]['bytes']} "
+                                    f"were saved (truncated or changed)")
+    cached = memo is not None and memo.holds(ckpt, rels)
+    spread = collective and _distributed()
+    owner = _shares([files[r]["bytes"] for r in rels], _world()) if spread else [0] * len(rels)
+    mine = [] if cached else [r for r, o in zip(rels, owner) if o == _rank()]
+
+    def check(rel: str) -> int:
+        try:
+            _, hx = _file_digest(ckpt / rel)
+        except FileNotFoundError:
+            return 1
+        except OSError:
+            return 2
+        return 0 if hx == files[rel][HASH] else 3
+    codes = dict.fromkeys(rels, 0)
+    if mine:
+        with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 8))) as pool:
+            codes.update(zip(mine, pool.map(check, mine)))
+    if spread:  # one collective, always: a rank with a cached verdict contributes zeros
+        t = torch.tensor([codes[r] for r in rels], dtype=torch.int32, device=_flag_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        codes = dict(zip(rels, t.tolist()))
+    bad = [(r, c) for r, c in codes.items() if c]
+    if bad:
+        if memo is not None:
+            memo.forget(ckpt)
+        rel, code = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} {_CODES[code]}{more}: the files changed after the "
+                                f"save (bad disk or copy, or an edit)")
+    if memo is not None:
+        memo.remember(ckpt, rels)
+
+
+def verify_checkpoint(ckpt: Path, collective: bool = True, memo: Optional[VerifiedFiles] = None) -> None:
+    """Raises CorruptCheckpoint unless the checkpoint is usable for a resume: its marker has
+    the keys a resume needs, every file matches its saved checksum, and its DCP metadata
+    reads (safely). ``collective``: with a process group up every rank must call it (the
+    hashing is split among them); pass False from a single rank. ``memo``: see verify_files."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt, resume=True)
+    verify_files(ckpt, meta, collective, memo)
+    read_dcp_metadata(ckpt / ".metadata")
