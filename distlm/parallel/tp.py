@@ -133,7 +133,9 @@ def enable_async_tp(tp_mesh) -> None:
     import torch.distributed._symmetric_memory as symm_mem
     inductor_config._micro_pipeline_tp = True
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # needed up to torch 2.8-ish; later versions find the group themselves
+    # Needed by older torch; later versions find the group themselves and mark the call
+    # deprecated (a FutureWarning on every rank), so it is made only where it is not.
+    if enable is not None and getattr(enable, "__deprecated__", None) is None:
         enable(tp_mesh.get_group().group_name)
 
 
