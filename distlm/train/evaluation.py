@@ -17,8 +17,8 @@ three evaluations that then take about a second each. Three ways to evaluate:
                      already holds as much) and a forward slower than a no-grad graph's; it
                      saves the compile.
 
-``evaluation_for(cfg, dims, task)`` picks one; the choice is printed with the other fast
-defaults. The validation loss is the same either way (tests/test_trainer.py).
+``evaluation_for(cfg, dims, task)`` picks one; a compiled run prints its choice (an
+``evaluation:`` line). The validation loss is the same either way (tests/test_trainer.py).
 """
 from __future__ import annotations
 
