@@ -104,6 +104,8 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         if sp:
             plan["attn_norm"] = SequenceParallel(use_local_output=True)
             plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+        for norm in (block.attn_norm, block.mlp_norm):
+            norm.register_forward_hook(in_compute_dtype)
         # A scalar weight times a sharded input: see the U-net skips' weights above; the
         # value embedding is split over its last dim (the heads).
         if block.attn.ve_weight is not None:
@@ -114,6 +116,20 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         block.attn.fused_qkv = False
     replicate_rest(model, tp_mesh)
     return model
+
+
+def in_compute_dtype(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on each block's norms: under autocast their output is fp32, and the
+    q/k/v and MLP projections cast it to bf16 anyway. Cast before the block's input is
+    gathered, so the all-gather (and its gradient's reduce-scatter) moves bf16: half the
+    bytes of half of TP's per-block collectives (they were the fp32 half in the profiles of
+    issue 19). The forward's numbers are the same; the backward's reduce-scatter now sums the
+    ranks' partial input gradients in bf16, as Megatron does. Without autocast (fp32, the CPU
+    tests) nothing changes."""
+    device = output.device.type
+    if torch.is_autocast_enabled(device):
+        return output.to(torch.get_autocast_dtype(device))
+    return output
 
 
 def enable_async_tp(tp_mesh) -> None:
