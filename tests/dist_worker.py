@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlm.config import load_config
 from distlm.model.loss import lm_loss
@@ -84,6 +85,21 @@ def norm_paths(trainer: Trainer) -> list[float]:
     return [by_local, by_dtensor ** 0.5]
 
 
+class CollectiveDtypes(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues, by op and by the dtype they move."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and args and isinstance(args[0], torch.Tensor):
+            by_dtype = self.counts.setdefault(func._opname, {})
+            dtype = str(args[0].dtype).removeprefix("torch.")
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
 def update_collectives(trainer: Trainer) -> dict:
     """One backward, then the collectives each phase of the update issues: reducing what
     TP left as partial sums, the gradient norm, and the optimizer step (which should issue
@@ -105,6 +121,10 @@ def update_collectives(trainer: Trainer) -> dict:
         with CommDebugMode() as mode:
             fn()
         counts[phase] = mode.get_total_counts()
+    # The same forward/backward under bf16 autocast: which dtype each collective moves.
+    with CollectiveDtypes() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer.stepper.forward_backward([(x, y)], trainer.compute)
+    counts["autocast_dtypes"] = seen.counts
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.optimizer.state.clear()
     for g, lr in zip(trainer.optimizer.param_groups, rates):

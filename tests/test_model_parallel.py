@@ -161,6 +161,20 @@ def test_tp_backward_reduces_each_block_input_once(two):
     assert plain.get("all_reduce") == 4 * L + 2 and "reduce_scatter_tensor" not in plain, plain
 
 
+def test_tp_gathers_block_inputs_in_the_autocast_dtype(two):
+    """Under bf16 autocast the norms' output is fp32 and the projections cast it to bf16: the
+    block input is cast before its all-gather, so every block collective moves bf16, the
+    gathers forward and their gradients' reduce-scatters backward included (before: 2 fp32
+    all-gathers and 2 fp32 reduce-scatters per block, half of TP's bytes; issue 19)."""
+    L = 6
+    seen = two["tp2_sp"][0]["update_collectives"]["autocast_dtypes"]
+    ag, rs = seen["all_gather_into_tensor"], seen["reduce_scatter_tensor"]
+    # per block: 2 input gathers forward, 2 gathers of the output's gradient backward; the same
+    # for reduce-scatters. The rest (the final norm's gather into the head, the embedding) may be fp32.
+    assert ag.get("bfloat16", 0) >= 4 * L and rs.get("bfloat16", 0) >= 4 * L, seen
+    assert ag.get("float32", 0) <= 2 and rs.get("float32", 0) <= 1, seen
+
+
 @pytest.mark.parametrize("name", ["tp2_sp", "tp2_sp_modern", "tp2_plain"])
 def test_tp_update_issues_few_collectives(two, name):
     """Partial-sum gradients are reduced once, in one bucket per mesh dim; the norm is one
