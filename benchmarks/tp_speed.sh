@@ -9,7 +9,10 @@
 #   before_tp2        the code of OLD, parallel.tp=2, micro-batch 8
 #   tp2               parallel.tp=2, micro-batch 8, profiled
 #   tp2_async         + parallel.async_tp=true (micro-pipelined all-gather/reduce-scatter matmuls), profiled
-#   tp2_mb16          async TP with micro-batch 16 (more work per GPU per collective)
+#   tp2_mb16          parallel.tp=2, micro-batch 16: half the block calls per token (the profiles show TP2
+#                     launch-bound: 42% of its step with no kernel running)
+#   tp2_async_mb16    async TP with micro-batch 16
+#   fsdp2_mb16        FSDP2 at micro-batch 16, the reference for tp2_mb16
 #   tp2_fsdp2[_async] parallel.tp=2 parallel.dp_shard=2 on 4 GPUs, micro-batch 8
 # Writes $OUT/tp-speed${TAG:+-$TAG}.tgz (logs, bench JSON, profile summaries) and a summary on stdout.
 set -uo pipefail
@@ -40,7 +43,9 @@ for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
     before_tp2) run before_tp2 2 "$PWD/$OLD" parallel.tp=2 train.micro_batch_size=8 ;;
     tp2) run tp2 2 "$PWD" parallel.tp=2 train.micro_batch_size=8 --profile "$R/prof-tp2" ;;
     tp2_async) run tp2_async 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=8 --profile "$R/prof-tp2-async" ;;
-    tp2_mb16) run tp2_mb16 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
+    tp2_mb16) run tp2_mb16 2 "$PWD" parallel.tp=2 train.micro_batch_size=16 ;;
+    tp2_async_mb16) run tp2_async_mb16 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
+    fsdp2_mb16) run fsdp2_mb16 2 "$PWD" parallel.dp_shard=2 train.micro_batch_size=16 ;;
     tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
     tp2_fsdp2_async) run tp2_fsdp2_async 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 parallel.async_tp=true train.micro_batch_size=8 ;;
     *) echo "unknown item $item" >&2 ;;
