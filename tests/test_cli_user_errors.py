@@ -171,3 +171,19 @@ def test_plan_numbers_for_small_and_unsplittable_models():
     # printed to three significant digits rather than rounded to a whole number
     assert 20 < float(row.split("|")[-3]) < 25 and "." in row.split("|")[-3]
     assert "tp=2, tp=4 skipped: 25 heads do not split by 2, 4 (model.n_head=20 would)" in big.stdout
+
+
+def test_a_rank_s_own_error_is_not_swallowed(monkeypatch, capsys):
+    """Rank 0 alone reports a config error (every rank parsed the same command line), but an
+    error raised once the process group is up may be one rank's own: that rank says it too."""
+    import torch.distributed as dist
+    from distlm.cli import print_error
+    monkeypatch.setenv("RANK", "1")
+    print_error("config says no")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    print_error("train.micro_batch_size=16 does not fit on this GPU")
+    assert capsys.readouterr().err == "error (rank 1): train.micro_batch_size=16 does not fit on this GPU\n"
+    monkeypatch.setenv("RANK", "0")
+    print_error("config says no")
+    assert capsys.readouterr().err == "error: config says no\n"

@@ -107,9 +107,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def print_error(message: str) -> None:
-    # Under torchrun every rank hits the same config error; one copy is enough.
-    if os.environ.get("RANK", "0") == "0":
+    """Under torchrun every rank parses the same command line, so a config error is the same
+    everywhere and rank 0's copy is enough. Once the process group is up an error can be one
+    rank's own (its GPU's memory, its node's files): the other ranks then say theirs too, with
+    their rank, or a job could fail with no word of why (seen on a GPU run: rank 1 exited 2,
+    silent, rank 0 killed)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"error: {message}", file=sys.stderr)
+        return
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        print(f"error (rank {rank}): {message}", file=sys.stderr)
 
 
 def _shutdown() -> None:
