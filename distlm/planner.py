@@ -64,22 +64,21 @@ TP_OPTIMIZER_SLOWDOWN = 2.0
 #   biases as separate DTensors (more, smaller tensors than FSDP2's flat half). Since the
 #   partial-sum gradients are reduced once in the backward, the step issues no collective;
 #   before that it took 185.7-209.5 ms (the old 9.4, from the superseded records).
-TP_COLLECTIVES_PER_BLOCK = 8
-# ^ sequence parallelism puts an all-gather before, and a reduce-scatter after, attention and
-#   the MLP: 4 in the forward, their 4 transposes in the backward, each on the critical path.
-FSDP_COLLECTIVES_PER_BLOCK_UNDER_TP = 3
-# ^ composed with TP, FSDP2's per-block collectives (all-gather in the forward, again in the
-#   backward, reduce-scatter) stop hiding behind compute: they queue behind TP's, which sit
-#   on the critical path, so each costs what one of TP's does. Without this term TP2 x FSDP2
-#   of gpt2-1.5b on 4 x H100 was estimated at 49.5k tok/s against 34.9k measured (1.42x);
-#   with it, 41.7k (1.19x). One measurement: a fit, not a law.
-TP_COLLECTIVE_S = 440e-6
-# ^ what one of those costs beyond its bytes. NCCL's own latency is tens of microseconds; the
-#   rest is the DTensor redistribution around it, the graph break it puts in the compiled
-#   block (eager kernel launches, no fusion across it) and the wait for the slower rank.
-#   Fitted to TP2 on 2 x H100 after the gradient fix (2,550.8 ms per step): its profile had
-#   3,070 ms of communication kernels per step (summed over streams) against 807 ms of
-#   compute kernels, so the collectives, not the matmuls or the optimizer, set its pace.
+TP_HOST_S_PER_BLOCK = 5.5e-3
+# ^ under TP the host, not the GPU, sets the pace at small micro-batches. Each call of a
+#   compiled block unwraps its DTensor parameters, wraps its outputs and gradients again and
+#   runs the redistributions around it in Python: about 5.5 ms of CPU per block per
+#   micro-step (forward and backward) on the H100 machines, where the GPU's own work for one
+#   block of gpt2-1.5b at micro-batch 8 is about 2.9 ms. So 42% of the profiled TP2 step had
+#   no kernel running, and NCCL's kernels, which include the wait for the other rank, looked
+#   slow (0.33 ms for a 26 MB all-gather that takes 0.12 ms alone). Doubling the micro-batch
+#   halves the calls for the same tokens: the step fell from 2,172 to 1,181 ms (30.2k to
+#   55.5k tok/s; the term predicts 29.9k and 54.6k). A stage therefore takes the longer of
+#   the device's time (compute and TP's bytes) and the host's.
+FSDP_HOST_SHARE_UNDER_TP = 0.75
+# ^ composed with FSDP2 (a 2-D mesh), each block call also runs FSDP2's hooks on 2-D
+#   DTensors: TP2 x FSDP2 of gpt2-1.5b on 4 x H100 (micro-batch 8, 4 micro-steps) took a
+#   1,878 ms step, 9.6 ms per block call, 1.75x TP2's alone. One measurement: a fit.
 TP_SPLIT_EFFICIENCY = 1.0
 # ^ compute efficiency kept per halving of the matmuls' width. The same profile shows none
 #   lost at TP2 (width 1600 -> 800): matmul, attention and element-wise kernels took 807 ms,
@@ -267,12 +266,14 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     if lay.ac == "full":
         compute_s *= 4 / 3  # the forward again
     compute_s /= TP_SPLIT_EFFICIENCY ** math.log2(t)
-    tp_latency_s = TP_COLLECTIVES_PER_BLOCK * L * n_mb * TP_COLLECTIVE_S if t > 1 else 0.0
-    if t > 1 and shard > 1 and lay.pp == 1:
-        tp_latency_s += FSDP_COLLECTIVES_PER_BLOCK_UNDER_TP * L * n_mb * TP_COLLECTIVE_S
+    device_s = compute_s + link_s.get("tp", 0.0)
+    host_s = 0.0
+    if t > 1:
+        host_s = L * n_mb * TP_HOST_S_PER_BLOCK * (1 + (FSDP_HOST_SHARE_UNDER_TP if shard > 1 else 0.0))
+    tp_host_s = max(0.0, host_s - device_s)  # the part of the host's time the GPU waits for
     bubble = 0.0 if lay.pp == 1 else (lay.pp - 1) / (n_mb + lay.pp - 1) if lay.schedule != "naive" \
         else (lay.pp - 1) / lay.pp
-    stage_s = (compute_s + link_s.get("tp", 0.0) + tp_latency_s) / (1 - bubble)
+    stage_s = (device_s + tp_host_s) / (1 - bubble)
     optimizer_s = p_bytes / 4 * OPTIMIZER_S_PER_PARAM * (TP_OPTIMIZER_SLOWDOWN if t > 1 else 1)
     hidden_s = DP_EXPOSED * sum(v for axis, v in link_s.items() if axis != "tp")
     step_s = stage_s + optimizer_s + hidden_s + STEP_OVERHEAD_S
@@ -281,7 +282,7 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
                    inter_axes=tuple(a for a in crossing if a in sent), sent_gb={a: v / GB for a, v in sent.items()},
                    nodes=max(1, math.ceil(dp * t * lay.pp / gpn)),
                    time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
-                            "tp_latency": tp_latency_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
+                            "tp_host": tp_host_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
                             "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
                             "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch)
     est._tokens = global_batch * T
