@@ -199,3 +199,20 @@ def test_eval_on_data_from_another_tokenizer_is_refused(tmp_path, tiny_data, tex
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prepared with tokenizer bpe:300" in err[0] and "trained with gpt2" in err[0], err
     assert main(["eval", "--checkpoint", str(tmp_path / "g"), "--data", str(tiny_data)]) == 0
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    """Two benches launched side by side on one machine took the same timestamped folder and
+    the second died "in use by another trainer" (2 x 2 H100s, ninth session). The folder is
+    now claimed by creating it: the later run gets -2."""
+    import distlm.train.runlock as runlock
+    from distlm.config import load_config
+    from distlm.train.trainer import Trainer
+    monkeypatch.setattr(runlock.time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "20261127-010148"))
+    args = ["data.source=synthetic", "model.n_layer=1", "train.max_steps=1", f"log.root={tmp_path}",
+            "log.tensorboard=false"]
+    first, second = Trainer(load_config("tiny", args)), Trainer(load_config("tiny", args), name_prefix="bench")
+    third = Trainer(load_config("tiny", args))
+    assert [t.run_dir.name for t in (first, second, third)] == \
+        ["run-20261127-010148", "bench-20261127-010148", "run-20261127-010148-2"]
+    assert all(t.run_dir.is_dir() for t in (first, second, third))

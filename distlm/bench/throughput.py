@@ -135,7 +135,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
     profile_steps = min(steps, 3) if profile_dir else 0
     cfg = updated(cfg, train={"eval_every": 0,  # the lr schedule must stay in range for every timed step
                               "max_steps": max(cfg.train.max_steps, warmup + 2 * steps + profile_steps + 1)})
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, name_prefix="bench")  # a new runs/bench/bench-TIMESTAMP unless log.name is given
     cfg = trainer.cfg  # resolved against the data
     dims, device = trainer.dims, trainer.device
     for i in range(warmup):

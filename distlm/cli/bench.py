@@ -10,7 +10,7 @@ from json import dumps
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Sequence
 
-from distlm.config import Config, ConfigError, load_config, updated
+from distlm.config import Config, ConfigError, load_config
 
 Axis = Literal["dp_replicate", "dp_shard"]
 
@@ -63,8 +63,6 @@ def bench(
         print(text + f"\nwrote {out_dir}/scaling-{mode}.md, .json and .png")
         return 0
     cfg = load_config(config, ["log.root=runs/bench", "log.progress=false", "log.tensorboard=false", *overrides])
-    if not cfg.log.name:
-        cfg = updated(cfg, log={"name": time.strftime("bench-%Y%m%d-%H%M%S")})
     _refuse_gpu_sized_on_cpu(cfg, allow_cpu)
     main = os.environ.get("RANK", "0") == "0"
     if pp_sweep:

@@ -11,12 +11,31 @@ second Trainer in the same process (a resume in a notebook, a test) takes it aga
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
+import time
 from pathlib import Path
 
 from distlm.config import ConfigError
 
 LOCK = ".lock"
+
+
+def claim_run_name(root: Path, prefix: str) -> str:
+    """A new run's default name, PREFIX-YYYYmmdd-HHMMSS, claimed by creating its folder:
+    two jobs started in the same second from the same folder (two benches side by side on one
+    machine) took the same name, and the second was refused as "in use by another trainer".
+    The later one now gets -2 (-3, ...). Called by one process; the others are told the name."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+    for n in itertools.count(1):
+        name = stamp if n == 1 else f"{stamp}-{n}"
+        try:
+            (root / name).mkdir()
+            return name
+        except FileExistsError:
+            continue
 
 
 class RunLock:

@@ -33,7 +33,7 @@ from distlm.train.logger import RunLogger, console_line, log_interval
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer, config_hyperparameters
 from distlm.train.resume_check import check_before_resume, check_resume_config
-from distlm.train.runlock import RunLock
+from distlm.train.runlock import RunLock, claim_run_name
 from distlm.train.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_at
 from distlm.train.seq_schedule import SeqSchedule
@@ -41,7 +41,7 @@ from distlm.train.setup import autocast_dtype, build_model, compute_context, res
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None):
+    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run"):
         # torchrun sets LOCAL_RANK; horovodrun only HOROVOD_LOCAL_RANK (without it every Horovod
         # rank took cuda:0 and NCCL refused: "ncclCommInitRank failed: invalid usage", 2x H200).
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", 0)))
@@ -66,7 +66,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.run_dir = Path(run_dir) if run_dir else self._run_dir()
+        self.run_dir = Path(run_dir) if run_dir else self._run_dir(name_prefix)
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
         # A checkpoint of another architecture or data is refused here, before the model is
         # built or any weight loaded (and before config.yaml is rewritten).
@@ -102,10 +102,11 @@ class Trainer:
         self.setup_line = clock.line()  # printed by train(); compilation comes later, in the first step
 
     # ---- set-up -------------------------------------------------------------------
-    def _run_dir(self) -> Path:
-        name = self.cfg.log.name or time.strftime("run-%Y%m%d-%H%M%S")
-        if not self.cfg.log.name:
-            name = self.comm.broadcast_object(name)  # every rank must agree on the folder
+    def _run_dir(self, prefix: str) -> Path:
+        name = self.cfg.log.name
+        if not name:  # a new, timestamped run: rank 0 claims the folder, every rank uses it
+            name = self.comm.broadcast_object(
+                claim_run_name(Path(self.cfg.log.root), prefix) if self.dims.is_main else None)
         run_dir = Path(self.cfg.log.root) / name
         if run_dir.exists() and any(run_dir.iterdir()) and self.cfg.train.resume == "never":
             raise ConfigError(f"run directory {run_dir} already exists; pass train.resume=auto to continue it, "
