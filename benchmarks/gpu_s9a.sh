@@ -15,7 +15,8 @@ set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; R=/tmp/s9a; rm -rf "$R"; mkdir -p "$OUT" "$R"
 BUDGET=${BUDGET:-570}; OLD_TP=${OLD_TP:-carry/old_tp9}; OLD_MUON=${OLD_MUON:-carry/old_muon}
-pack() { tar -czf "$OUT/s9a.tgz.tmp" -C /tmp s9a && mv "$OUT/s9a.tgz.tmp" "$OUT/s9a.tgz"; }
+pack() { tar --warning=no-file-changed -czf "$OUT/s9a.tgz.tmp" -C /tmp s9a
+  [ $? -le 1 ] && mv "$OUT/s9a.tgz.tmp" "$OUT/s9a.tgz"; }  # 1: a file changed while read (a run still writing)
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
   echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/machine.txt" 2>&1

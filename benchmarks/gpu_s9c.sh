@@ -10,7 +10,8 @@ set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; R=/tmp/s9c; rm -rf "$R"; mkdir -p "$OUT" "$R"
 BUDGET=${BUDGET:-570}
-pack() { tar -czf "$OUT/s9c.tgz.tmp" -C /tmp --exclude='*.distcp' --exclude='*.pt' s9c && mv "$OUT/s9c.tgz.tmp" "$OUT/s9c.tgz"; }
+pack() { tar --warning=no-file-changed -czf "$OUT/s9c.tgz.tmp" -C /tmp --exclude='*.distcp' --exclude='*.pt' s9c
+  [ $? -le 1 ] && mv "$OUT/s9c.tgz.tmp" "$OUT/s9c.tgz"; }  # 1: a file changed while read (a run still writing)
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__)"; echo "commit $(git rev-parse --short HEAD 2>/dev/null)"
 } > "$R/machine.txt" 2>&1

@@ -6,13 +6,15 @@
 #    schedule instead of WSD (GPU 2), 600 steps each, val loss over the whole split; GPU 3 runs every
 #    `gpu`-marked test. Their wall times share the machine, their losses do not depend on it;
 # 3. (issue 16) all four GPUs: speedrun@ddp4 and baseline@ddp4, one after the other.
-# Everything comes back as $OUT/s9d.tgz; a summary on stdout.
+# Everything comes back as $OUT/s9d.tgz; a summary on stdout. Its first run (2026-11-27, call 3) returned only
+# item 1: the corpus step had no PYTHONPATH and pack() dropped archives when a file changed under tar (both fixed).
 set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; R=/tmp/s9d; rm -rf "$R"; mkdir -p "$OUT" "$R"
 CORPUS=${CORPUS:-carry/corpus}
-pack() { tar -czf "$OUT/s9d.tgz.tmp" -C /tmp --exclude='*.distcp' --exclude='*.pt' --exclude='data' --exclude='text' \
-  --exclude='inductor-*' --exclude='checkpoints' s9d && mv "$OUT/s9d.tgz.tmp" "$OUT/s9d.tgz"; }
+pack() { tar --warning=no-file-changed -czf "$OUT/s9d.tgz.tmp" -C /tmp --exclude='*.distcp' --exclude='*.pt' --exclude='data' --exclude='text' \
+  --exclude='inductor-*' --exclude='checkpoints' s9d
+  [ $? -le 1 ] && mv "$OUT/s9d.tgz.tmp" "$OUT/s9d.tgz"; }  # 1: a file changed while read (a run still writing)
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
   echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/machine.txt" 2>&1
@@ -20,7 +22,7 @@ head -3 "$R/machine.txt"
 
 # 1.
 mkdir -p "$R/tp" "$R/sr0"
-( python3 scripts/build_speedrun_corpus.py "$CORPUS" "$R/sr0/text" && python3 -m distlm prepare "$R/sr0/text" \
+( export PYTHONPATH=$PWD; python3 scripts/build_speedrun_corpus.py "$CORPUS" "$R/sr0/text" && python3 -m distlm prepare "$R/sr0/text" \
     --out "$R/sr0/data" --quiet ) > "$R/prepare.log" 2>&1 &
 prep=$!
 CUDA_VISIBLE_DEVICES=0,1 OUT=$R/tp TAG=tp ITEMS="tp2_mb16" BUDGET=140 bash benchmarks/tp_speed.sh > "$R/tp/tp.txt" 2>&1 &
