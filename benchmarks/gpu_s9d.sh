@@ -12,6 +12,9 @@ set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; R=/tmp/s9d; rm -rf "$R"; mkdir -p "$OUT" "$R"
 CORPUS=${CORPUS:-carry/corpus}
+# DRY=1: the same steps on the CPU box (tiny models, a few steps; speedrun.sh and tp_speed.sh shrink
+# their runs), to find a broken step before it costs device time.
+[ "${DRY:-0}" = 1 ] && [ -x .venv/bin/python ] && export PATH=$PWD/.venv/bin:$PATH
 pack() { tar --warning=no-file-changed -czf "$OUT/s9d.tgz.tmp" -C /tmp --exclude='*.distcp' --exclude='*.pt' --exclude='data' --exclude='text' \
   --exclude='inductor-*' --exclude='checkpoints' s9d
   [ $? -le 1 ] && mv "$OUT/s9d.tgz.tmp" "$OUT/s9d.tgz"; }  # 1: a file changed while read (a run still writing)

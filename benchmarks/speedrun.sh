@@ -14,6 +14,7 @@ set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=${PYTHONPATH:-$PWD}   # PYTHONSAFEPATH keeps the current folder off sys.path
 PY=${PY:-python3}
+[ "${DRY:-0}" = 1 ] && [ -x .venv/bin/python ] && export PATH=$PWD/.venv/bin:$PATH  # DRY (below): the CPU box's venv
 OUT=${OUT:-/tmp/out}; WORK=${WORK:-/tmp/speedrun}; LOGS=$WORK/logs; mkdir -p "$OUT" "$LOGS"
 CORPUS=${CORPUS:?set CORPUS to the folder holding gutenberg/ sotu/ gcide/}
 DATA=$WORK/data
@@ -58,6 +59,14 @@ declare -A ABLATIONS=(
   [valemb-embedlr]="model.value_embeds=3 model.skip_connections=true train.embed_lr=0.3"
 )
 EXTRA=${EXTRA:-}
+# DRY=1: every run on the CPU with a tiny model for 4 steps, a rehearsal of the script before a device
+# call (it measures nothing; the corpus is still prepared in full).
+DRYX=()
+if [ "${DRY:-0}" = 1 ]; then
+  DRYX=(model.n_layer=6 model.d_model=64 model.n_head=2 model.d_ff=128 model.block_size=64 train.device=cpu
+        train.compile=false train.max_steps=4 train.eval_every=2 train.warmup_steps=1 train.global_batch_size=8
+        train.micro_batch_size=8)
+fi
 COMMON=(data.dir="$DATA" train.eval_batches=0 train.checkpoint_every=0 log.root="$WORK/runs" log.progress=false
         log.tensorboard=false log.samples=0)
 
@@ -72,6 +81,7 @@ for run in "${@:-baseline speedrun}"; do
       speedrun-*) args=("${SPEEDRUN[@]}" $EXTRA ${ABLATIONS[${recipe#speedrun-}]}) ;;
       *) echo "unknown run $name" >&2; exit 2 ;;
     esac
+    args+=("${DRYX[@]}")
     # The global batch stays; each GPU takes its share in one micro-batch (no accumulation).
     global=$(printf '%s\n' "${args[@]}" | sed -n 's/^train.global_batch_size=//p' | tail -1)
     global=${global:-$([ "$recipe" = baseline ] && echo 64 || echo 32)}

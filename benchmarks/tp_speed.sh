@@ -26,6 +26,11 @@ mkdir -p "$OUT" "$R"
 head -4 "$R/machine.txt"
 M=(--config gpt2-1.5b model.n_head=20 model.vocab_size=50257 model.loss_chunk=0 data.source=synthetic
    train.on_nan=off train.compile=true train.compile_scope=block train.global_batch_size=64)
+if [ "${DRY:-0}" = 1 ]; then  # a rehearsal on the CPU (gloo), tiny model, nothing measured
+  M=(--config tiny model.n_layer=2 model.n_head=4 data.source=synthetic train.device=cpu train.compile=false
+     train.global_batch_size=32)
+  [ -x .venv/bin/python ] && export PATH=$PWD/.venv/bin:$PATH
+fi
 run() {  # run NAME NPROC PYTHONPATH [overrides and flags...]
   local name=$1 np=$2 path=$3; shift 3
   [ $((BUDGET - SECONDS)) -lt 100 ] && { echo "[$name] skipped: time"; return; }
