@@ -23,6 +23,10 @@ pack() { tar --warning=no-file-changed -czf "$OUT/s9d.tgz.tmp" -C /tmp --exclude
   echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/machine.txt" 2>&1
 head -3 "$R/machine.txt"
 
+# `timeout` stops a script, not the runs it started (and a trainer given SIGTERM first finishes its step):
+# what a phase leaves running is killed before the next phase takes the GPUs.
+leftovers() { pkill -9 -f "distlm (train|bench)" 2>/dev/null; pkill -9 -f torch.distributed.run 2>/dev/null; pkill -9 -f "bin/torchrun" 2>/dev/null; sleep 2; }
+
 # 1.
 mkdir -p "$R/tp" "$R/sr0"
 ( export PYTHONPATH=$PWD; python3 scripts/build_speedrun_corpus.py "$CORPUS" "$R/sr0/text" && python3 -m distlm prepare "$R/sr0/text" \
@@ -31,8 +35,9 @@ prep=$!
 CUDA_VISIBLE_DEVICES=0,1 OUT=$R/tp TAG=tp ITEMS="tp2_mb16" BUDGET=140 bash benchmarks/tp_speed.sh > "$R/tp/tp.txt" 2>&1 &
 CUDA_VISIBLE_DEVICES=2,3 OUT=$R/tp TAG=fsdp ITEMS="fsdp2_mb16" BUDGET=140 bash benchmarks/tp_speed.sh > "$R/tp/fsdp.txt" 2>&1
 wait
-grep -h "json:" "$R/tp/tp.txt" "$R/tp/fsdp.txt"; grep -h "error" "$R"/tp/*/*.log | grep -v "error_file\|errors.html" | head -4
-pack
+grep -h "json:" "$R/tp/tp.txt" "$R/tp/fsdp.txt"; grep -h "error" /tmp/tp-speed-tp/*.log /tmp/tp-speed-fsdp/*.log \
+  | grep -v "error_file\|errors.html" | head -4
+leftovers; pack
 
 # 2.
 for i in 1 2; do mkdir -p "$R/sr$i" && cp -r "$R/sr0/data" "$R/sr$i/data"; done
@@ -46,9 +51,9 @@ CUDA_VISIBLE_DEVICES=3 PYTHONPATH=$PWD timeout 170 python3 -m pytest -q -p no:ca
 wait
 tail -2 "$R/gpu-tests.log" | sed "s/^/[pytest -m gpu] /"
 grep -h "rc " "$R"/sr?/job.txt
-pack
+leftovers; pack
 
 # 3.
 OUT=$R/sr0 WORK=$R/sr0 TAG=x4 CORPUS=$CORPUS timeout 245 bash benchmarks/speedrun.sh "speedrun@ddp4 baseline@ddp4" \
   2>&1 | sed "s/^/[4 GPUs] /"
-pack
+leftovers; pack

@@ -5,7 +5,7 @@
 Each run's validation rows are timed from its own process start (the launch time the
 benchmark script recorded before starting the process, so imports, data checks and
 compilation all count). The target is the final validation loss of the run named
-"baseline" (else the first run); every other run is timed to its first validation at or below it. Writes
+"baseline" or "baseline@LAYOUT" (else the first run); every other run is timed to its first validation at or below it. Writes
 OUT_DIR/speedrun-table.md and the two plots (loss against wall time, against tokens).
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ def read_run(run_dir: Path, launch: float) -> dict:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
     runs = []
     for spec in argv[1:]:
         path, _, launch = spec.partition("=")
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
             print(f"{path}: no metrics.csv (the run failed; see its log)")
             continue
         runs.append(read_run(Path(path), float(launch)))
-    base = next((r for r in runs if r["name"] == "baseline"), runs[0])
+    base = next((r for r in runs if r["name"].split("@")[0] == "baseline"), runs[0])  # baseline@ddp4 too
     # TARGET (env): a loss measured in another call (the baseline's), for runs without one here.
     target = float(os.environ["TARGET"]) if os.environ.get("TARGET") else base["val"][-1][2]
     what = "given in TARGET" if os.environ.get("TARGET") else f"the final validation loss of {base['name']}"

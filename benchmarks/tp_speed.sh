@@ -65,5 +65,5 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         continue
     print(f"{os.path.basename(f)}: {r['tokens_per_s']:,.0f} tok/s, MFU {100 * (r['mfu'] or 0):.1f}%, step "
           f"{1e3 * r['step_s']:.0f} ms, phases ms {{{', '.join(f'{k}: {1e3 * v:.1f}' for k, v in r['phases_s'].items())}}}, "
-          f"peak {r['peak_mem_gb']:.1f} GiB" + (f", profile {r['profile']['categories_s']}" if r.get('profile') else ""))
+          + (f"peak {r['peak_mem_gb']:.1f} GiB" if r['peak_mem_gb'] is not None else "peak n/a") + (f", profile {r['profile']['categories_s']}" if r.get('profile') else ""))
 PY
