@@ -8,7 +8,6 @@ on CUDA a larger model on GPT-2's tokenizer.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -45,15 +44,14 @@ def demo(
     print(f"[1/5] preparing the vendored Gutenberg corpus ({tokenizer}) -> {data_dir}")
     prepare([str(DEFAULT_CORPUS)], data_dir, tokenizer=tokenizer, val_fraction=0.05, seed=0)
 
-    name = time.strftime("demo-%Y%m%d-%H%M%S")
     # log.samples=0: step 4 below prints samples of three prompts itself.
-    overrides = [f"data.dir={data_dir}", f"log.root={root}", f"log.name={name}", "log.samples=0"]
+    overrides = [f"data.dir={data_dir}", f"log.root={root}", "log.samples=0"]
     overrides += CUDA_OVERRIDES if cuda else CPU_OVERRIDES
     if max_steps:
         overrides.append(f"train.max_steps={max_steps}")
     cfg = load_config("tiny" if cuda else "demo", overrides)
     print(f"[2/5] training on {'CUDA' if cuda else 'CPU'} ({cfg.train.max_steps} steps at most)")
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, name_prefix="demo")  # a new ROOT/demo-TIMESTAMP, -2 if that second is taken
     summary = trainer.train()
 
     val = summary["val_loss"]
