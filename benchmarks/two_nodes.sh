@@ -134,7 +134,8 @@ fi
 
 # 4. the two-node checkpoint continues under other layouts (each from the same checkpoint, a few steps)
 CK=$(ls -d "$R"/runs/elastic/checkpoints/step_* 2>/dev/null | tail -1)
-for v in "one_fsdp:$NP:parallel.dp_shard=$NP" "half:$PER:parallel.dp_replicate=$PER"; do
+# the half-size layout first: the ninth session's GPU run had time for one and resumed as FSDP4
+for v in "half:$PER:parallel.dp_replicate=$PER" "one_fsdp:$NP:parallel.dp_shard=$NP"; do
   name=${v%%:*}; rest=${v#*:}; n=${rest%%:*}; lay=${rest#*:}
   [ "$n" = 1 ] && lay=""
   want 4 && [ -n "$CK" ] && [ "$(left)" -gt 60 ] || { echo "[$name] skipped"; continue; }
