@@ -12,6 +12,9 @@
 #   tp2_mb16          parallel.tp=2, micro-batch 16: half the block calls per token (the profiles show TP2
 #                     launch-bound: 42% of its step with no kernel running)
 #   tp2_async_mb16    async TP with micro-batch 16
+#   tp2_async_mb32    async TP with micro-batch 32
+#   tp2_mb32          parallel.tp=2, micro-batch 32 (2 accumulation steps): TP2 halves the activations
+#                     FSDP2 holds, so it fits a micro-batch FSDP2 cannot (planner: 68.5 of 79 GiB)
 #   fsdp2_mb16        FSDP2 at micro-batch 16, the reference for tp2_mb16
 #   tp2_fsdp2[_async] parallel.tp=2 parallel.dp_shard=2 on 4 GPUs, micro-batch 8
 # Writes $OUT/tp-speed${TAG:+-$TAG}.tgz (logs, bench JSON, profile summaries) and a summary on stdout.
@@ -49,6 +52,8 @@ for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
     tp2) run tp2 2 "$PWD" parallel.tp=2 train.micro_batch_size=8 --profile "$R/prof-tp2" ;;
     tp2_async) run tp2_async 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=8 --profile "$R/prof-tp2-async" ;;
     tp2_mb16) run tp2_mb16 2 "$PWD" parallel.tp=2 train.micro_batch_size=16 ;;
+    tp2_mb32) run tp2_mb32 2 "$PWD" parallel.tp=2 train.micro_batch_size=32 ;;
+    tp2_async_mb32) run tp2_async_mb32 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=32 ;;
     tp2_async_mb16) run tp2_async_mb16 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
     fsdp2_mb16) run fsdp2_mb16 2 "$PWD" parallel.dp_shard=2 train.micro_batch_size=16 ;;
     tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
