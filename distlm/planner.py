@@ -79,7 +79,7 @@ TP_HOST_S_PER_BLOCK = 5.5e-3
 #   no kernel running, and NCCL's kernels, which include the wait for the other rank, looked
 #   slow (0.33 ms for a 26 MB all-gather that takes 0.12 ms alone). Doubling the micro-batch
 #   halves the calls for the same tokens: the step fell from 2,172 to 1,181 ms (30.2k to
-#   55.5k tok/s; the term predicts 29.9k and 54.6k). A stage therefore takes the longer of
+#   55.5k tok/s; the term predicted 29.9k and 54.6k; 57.2k with the per-block-call term). A stage therefore takes the longer of
 #   the device's time (compute and TP's bytes) and the host's.
 FSDP_HOST_SHARE_UNDER_TP = 0.75
 # ^ composed with FSDP2 (a 2-D mesh), each block call also runs FSDP2's hooks on 2-D
