@@ -40,16 +40,3 @@ def test_watchdog_rearmed_each_step_does_not_fire():
     p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and "finished" in p.stdout, p.stderr
-
-
-def test_a_failed_nccl_collective_ends_the_worker():
-    """A dead peer must end the NCCL workers at once (torchrun then restarts the group), not
-    leave them to the agent's SIGKILL 30 s after a SIGTERM they record and wait on; a value
-    the user set is kept."""
-    from distlm.parallel.dims import nccl_failures_end_the_process
-    env: dict = {}
-    nccl_failures_end_the_process(env)
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    nccl_failures_end_the_process(mine)
-    assert mine == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}

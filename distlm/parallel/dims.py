@@ -98,18 +98,6 @@ def _attempt_store(world: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"distlm_attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def nccl_failures_end_the_process(env) -> None:
-    """A collective that fails (a peer's node died) should end this worker at once, so that
-    torchrun's agent restarts the group and ``train.resume=auto`` carries on. Under torch's
-    default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3: abort the communicators, keep the process) the
-    surviving node's workers of a 2-GPU-node run on H100s lived on for 12 s after NCCL saw the
-    peer exit, then ignored the agent's SIGTERM until its SIGKILL 30 s later (the training
-    loop records SIGTERM to save at the end of the step, a step that could never finish).
-    1 = tear down: NCCL's watchdog ends the process when a collective fails or times out.
-    A value the user set is kept. Read by ProcessGroupNCCL when the group is created."""
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-
-
 def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
     """Read torchrun's environment; start the process group with a short timeout."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -121,8 +109,6 @@ def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             backend = "nccl" if device_type == "cuda" else "gloo"
-            if backend == "nccl":
-                nccl_failures_end_the_process(os.environ)
             timeout = datetime.timedelta(seconds=cfg.timeout_s)
             store = _attempt_store(world, timeout)
             dist.init_process_group(backend, timeout=timeout, store=store, rank=rank if store else -1,
