@@ -298,6 +298,52 @@ def test_async_tp_is_refused_off_cuda():
         enable_async_tp(SimpleNamespace(device_type="cpu"))
 
 
+ROW_PARALLEL_GRAPH = r"""
+import torch, torch.distributed as dist
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from distlm.config import load_config
+from distlm.model.gpt import GPT
+from distlm.parallel.tp import apply_tp
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # collectives traced, not run
+cfg = load_config("tiny", ["model.n_layer=1", "model.d_model=64", "model.n_head=4", "model.d_ff=128",
+                           "model.block_size=32", "model.vocab_size=256", "model.dropout=0.0", "model.bias=true"])
+model = GPT(cfg.model)
+apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), cfg.parallel)
+graphs = []
+def backend(gm, inputs):
+    def forward_graph(g, _):
+        graphs.append(g.graph)
+        return g.forward
+    return aot_module_simplified(gm, inputs, fw_compiler=forward_graph, bw_compiler=lambda g, _: g.forward)
+block = next(iter(model.blocks.values()))
+torch.compile(block, backend=backend)(torch.randn(2, 16, 64, requires_grad=True)).sum().backward()
+
+def producer(node):  # the op that computed what a reduce-scatter sends, past views, splits and cats
+    while any(k in str(node.target) for k in ("view", "split", "cat", "getitem", "reshape")):
+        node = node.all_input_nodes[0]
+    return str(node.target)
+print(sorted(producer(n.all_input_nodes[0]) for n in graphs[0].nodes if "reduce_scatter" in str(n.target)))
+"""
+
+
+def test_row_parallel_matmuls_feed_their_reduce_scatters_directly():
+    """Async TP fuses a reduce-scatter only with a matmul that feeds it directly. With torch's
+    RowwiseParallel a biased layer's bias was added inside the matmul (addmm), so no
+    reduce-scatter of a GPT-2-style block could be fused (issue 19); the plan now adds it after
+    the reduction. Traced on one process with a fake group of two: every reduce-scatter of the
+    block's forward (attention and MLP outputs) is fed by a plain mm."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    p = subprocess.run([sys.executable, "-c", ROW_PARALLEL_GRAPH], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "['aten.mm.default', 'aten.mm.default']", p.stdout
+
+
 # ---- the pipeline bubble sweep (distlm bench --pp-sweep) --------------------------------
 def test_pp_sweep_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "sweep"

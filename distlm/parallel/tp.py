@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
@@ -95,9 +96,9 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
             "attn": PrepareModuleInput(input_layouts=(resid,) + (None,) * 6,
                                        desired_input_layouts=(Replicate(),) + (None,) * 6),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=resid),
+            "attn.wo": RowwiseBiasAfterReduce(output_layouts=resid),
             "mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),)),
-            "mlp.w_in": ColwiseParallel(), "mlp.w_out": RowwiseParallel(output_layouts=resid),
+            "mlp.w_in": ColwiseParallel(), "mlp.w_out": RowwiseBiasAfterReduce(output_layouts=resid),
         }
         if block.mlp.w_gate is not None:
             plan["mlp.w_gate"] = ColwiseParallel()
@@ -116,6 +117,41 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         block.attn.fused_qkv = False
     replicate_rest(model, tp_mesh)
     return model
+
+
+class RowwiseBiasAfterReduce(RowwiseParallel):
+    """A row-parallel linear whose bias is added after its partial sums are reduced.
+
+    torch's RowwiseParallel adds the (replicated) bias to the partial product, before the
+    reduce-scatter (all-reduce without SP). Async TP fuses a reduce-scatter only with the
+    matmul that feeds it directly, so with a bias in between none of the two per block was
+    fused (issue 19, eighth session: "no producer matmul found for reduce scatter" for
+    gpt2-1.5b; bias-free models were not affected). Here the layer multiplies without its bias
+    and the output hook adds it to the reduced, sequence-sharded output: the same sum, the
+    same parameter under the same name (checkpoints and exports do not change), and less work
+    (the bias is added to 1/tp of the rows). Its gradient, a sum over this rank's rows, is a
+    partial sum, reduced with the other sequence-parallel gradients (distlm.parallel.grad)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.__class__ = _LinearWithoutBias  # the same module and parameters, another forward
+        return module
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        if isinstance(mod, _LinearWithoutBias):
+            outputs = outputs + mod.bias.to(outputs.dtype)  # under autocast: the dtype F.linear would give
+        return outputs.to_local() if use_local_output else outputs
+
+
+class _LinearWithoutBias(nn.Linear):
+    """nn.Linear whose forward leaves the bias out: RowwiseBiasAfterReduce adds it later."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def in_compute_dtype(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
