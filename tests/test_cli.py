@@ -93,3 +93,12 @@ def test_overrides_may_come_after_flags(capsys):
     assert "4 layers x 768" in out and "micro-batch 4" in out
     with pytest.raises(SystemExit):
         main(["plan", "--config", "gpt2-124m-1024", "model.n_layer=4", "--gpus", "2", "stray"])
+
+
+def test_done_line_says_when_nothing_was_validated(tmp_path):
+    """Synthetic tokens have no val split: the last line says so instead of 'val loss nan'
+    (a GPU log of the two-node run read as if the model had diverged)."""
+    p = distlm("train", "--config", "tiny", *SMALL, "data.source=synthetic", "train.max_steps=2",
+               f"log.root={tmp_path}", "log.name=s")
+    done = p.stdout.strip().splitlines()[-1]
+    assert done.startswith("done: step 2, no validation") and "nan" not in done, done

@@ -100,9 +100,12 @@ def train(
         print(f"stopped: {summary['stopped']}; checkpoint {summary['checkpoint']}; "
               f"continue with: distlm train ... log.name={trainer.run_dir.name} train.resume=auto")
     elif trainer.dims.is_main:
-        on = f" on {summary['val_on']}" if summary.get("val_on") else ""
-        print(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}{on}, "
-              f"checkpoint {summary['checkpoint']}")
+        val, on = summary["val_loss"], summary.get("val_on")
+        # A run with no validation split (synthetic tokens) has no loss to report, not a NaN one;
+        # a NaN from a validation that ran (a diverged model) is printed as it is.
+        scored = f"val loss {val:.4f}" + (f" on {on}" if on else "") if on or (val is not None and val == val) \
+            else "no validation (no val split to score)"
+        print(f"done: step {summary['step']}, {scored}, checkpoint {summary['checkpoint']}")
     return 0
 
 
