@@ -13,6 +13,8 @@
 #                     launch-bound: 42% of its step with no kernel running)
 #   tp2_async_mb16    async TP with micro-batch 16
 #   tp2_async_mb32    async TP with micro-batch 32
+#   before_tp2_async_mb16  async TP at micro-batch 16 with the code of OLD (e.g. before the row-parallel
+#                     bias moved after the reduction, which lets inductor fuse the forward reduce-scatters)
 #   tp2_mb32          parallel.tp=2, micro-batch 32 (2 accumulation steps): TP2 halves the activations
 #                     FSDP2 holds, so it fits a micro-batch FSDP2 cannot (planner: 68.5 of 79 GiB)
 #   fsdp2_mb16        FSDP2 at micro-batch 16, the reference for tp2_mb16
@@ -54,6 +56,7 @@ for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
     tp2_mb16) run tp2_mb16 2 "$PWD" parallel.tp=2 train.micro_batch_size=16 ;;
     tp2_mb32) run tp2_mb32 2 "$PWD" parallel.tp=2 train.micro_batch_size=32 ;;
     tp2_async_mb32) run tp2_async_mb32 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=32 ;;
+    before_tp2_async_mb16) run before_tp2_async_mb16 2 "$PWD/$OLD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
     tp2_async_mb16) run tp2_async_mb16 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
     fsdp2_mb16) run fsdp2_mb16 2 "$PWD" parallel.dp_shard=2 train.micro_batch_size=16 ;;
     tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
