@@ -11,20 +11,8 @@
 #    passed the target between its last two evaluations), speedrun-b64s450@ddp4, baseline@ddp4;
 # 3. (issue 16) in the time left, a profile of the 4-GPU recipe's step (bench, DDP4, 16 sequences a GPU).
 # Everything comes back as $OUT/s12.tgz; a summary on stdout. Every `timeout` has -k (see gpu_s10.sh).
-set -uo pipefail
-export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; R=/tmp/s12; rm -rf "$R"; mkdir -p "$OUT" "$R"
+NAME=s12; source benchmarks/device_call.sh
 CORPUS=${CORPUS:-carry/corpus}; OLD=${OLD:-carry/old_tp10}
-[ "${DRY:-0}" = 1 ] && [ -x .venv/bin/python ] && export PATH=$PWD/.venv/bin:$PATH
-pack() { tar --warning=no-file-changed -czf "$OUT/s12.tgz.tmp" -C /tmp --exclude='*.distcp' --exclude='*.pt' \
-  --exclude='data' --exclude='text' --exclude='inductor-*' --exclude='checkpoints' --exclude='*trace*' s12
-  [ $? -le 1 ] && mv "$OUT/s12.tgz.tmp" "$OUT/s12.tgz"; }  # 1: a file changed while read (a run still writing)
-leftovers() { pkill -9 -f "distlm (train|bench)" 2>/dev/null; pkill -9 -f torch.distributed.run 2>/dev/null
-  pkill -9 -f "bin/torchrun" 2>/dev/null; sleep 2; }
-{ date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-  python3 -c "import torch; print('torch', torch.__version__)"; echo "commit $(git rev-parse --short HEAD 2>/dev/null)"
-} > "$R/machine.txt" 2>&1
-head -3 "$R/machine.txt"
 [ -d "$OLD/distlm" ] || echo "warning: $OLD/distlm missing: the before row will fail"
 
 # the corpus, in the background (~10 s), for item 2
