@@ -44,7 +44,7 @@ MFU = 0.50
 BLOCK_CALL_S = 6e-4
 # ^ what each call of a block costs beyond its FLOPs, forward and backward, per micro-step:
 #   kernel launches and the small kernels around the matmuls, FSDP2's hooks. 0.6 ms puts the
-#   FSDP2 pair above at 0.90x and 0.92x of measured and keeps every record within 20%;
+#   FSDP2 pair above at 1.00x and 0.90x of measured and keeps every record within 20%;
 #   under TP the host's own time per block (TP_HOST_S_PER_BLOCK) is what the GPU waits for.
 DP_EXPOSED = 0.75
 # ^ FSDP/DDP and pipeline traffic overlaps the backward pass, but not all of it: the first
@@ -79,8 +79,9 @@ TP_HOST_S_PER_BLOCK = 5.5e-3
 #   no kernel running, and NCCL's kernels, which include the wait for the other rank, looked
 #   slow (0.33 ms for a 26 MB all-gather that takes 0.12 ms alone). Doubling the micro-batch
 #   halves the calls for the same tokens: the step fell from 2,172 to 1,181 ms (30.2k to
-#   55.5k tok/s; the term predicted 29.9k and 54.6k; 57.2k with the per-block-call term). A stage therefore takes the longer of
-#   the device's time (compute and TP's bytes) and the host's.
+#   55.5k tok/s; the term predicted 29.9k and 54.6k; with the per-block-call term, 29.9k and
+#   57.2k). A stage therefore takes the longer of the device's time (compute and TP's bytes)
+#   and the host's.
 FSDP_HOST_SHARE_UNDER_TP = 0.75
 # ^ composed with FSDP2 (a 2-D mesh), each block call also runs FSDP2's hooks on 2-D
 #   DTensors: TP2 x FSDP2 of gpt2-1.5b on 4 x H100 (micro-batch 8, 4 micro-steps) took a
