@@ -18,7 +18,10 @@ pack() {
 
 # `timeout` stops a script, not the runs it started (and a trainer given SIGTERM first finishes its
 # step): what a phase leaves running is killed before the next phase takes the GPUs.
+# Not under DRY=1: on a shared box it also killed the test suite's trainers (three tests of a
+# `make test` running beside a rehearsal ended with -9).
 leftovers() {
+  [ "${DRY:-0}" = 1 ] && return
   pkill -9 -f "distlm (train|bench)" 2>/dev/null; pkill -9 -f torch.distributed.run 2>/dev/null
   pkill -9 -f "bin/torchrun" 2>/dev/null; sleep 2
 }
