@@ -6,7 +6,8 @@
 #
 # RUNs (default: "baseline speedrun"): baseline, speedrun, or speedrun-NAME for an ablation
 # listed in ABLATIONS below; NAME@ddpN or NAME@fsdpN runs it on N GPUs (torchrun; the global batch
-# stays, split evenly). The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
+# stays, split evenly). RUN+warm runs RUN again with the compile cache RUN's run left (a repeated
+# run on the same machine); every other run starts from an empty cache. The corpus (Gutenberg + State of the Union + GCIDE, ~21M GPT-2
 # tokens) is laid out and prepared here, on the machine that runs it: GCIDE is GPL and is never
 # vendored. Validation is over the whole val split (train.eval_batches=0) in every run.
 # Results: $OUT/${TAG}/speedrun-table.md and the two plots; each run's log and metrics.csv in $OUT/runs-${TAG}.tgz.
@@ -54,6 +55,7 @@ declare -A ABLATIONS=(
   [ve6]="model.value_embeds=6"                              # a table for every block: one compiled block graph
   [b16]="train.global_batch_size=16 train.micro_batch_size=16 train.max_steps=1200 train.eval_every=600"  # half the tokens a step, twice the steps (for a 600-step EXTRA)
   [seqwarm]="train.seq_warmup_steps=150 train.seq_warmup_start=256" # rows of 256, then 512 tokens first
+  [b64s300]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=300 train.eval_every=150"  # 19.7M tokens, as the 1-GPU recipe
   [b64s350]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=350 train.eval_every=175"  # for 4 GPUs: 16 sequences each
   [b64s450]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=450 train.eval_every=150"
   [valemb-embedlr]="model.value_embeds=3 model.skip_connections=true train.embed_lr=0.3"
@@ -75,7 +77,8 @@ specs=()
 for run in "${@:-baseline speedrun}"; do
   for name in $run; do
     # NAME@ddpN / NAME@fsdpN: the same recipe on N GPUs of this machine (the global batch stays).
-    recipe=${name%@*}; layout=${name#"$recipe"}; launcher=($PY -m distlm); par=()
+    cold=${name%+warm}   # NAME+warm: NAME again, on the compile cache NAME's run filled
+    recipe=${cold%@*}; layout=${cold#"$recipe"}; launcher=($PY -m distlm); par=()
     case $recipe in
       baseline) args=("${BASELINE[@]}") ;;
       speedrun) args=("${SPEEDRUN[@]}" $EXTRA) ;;
@@ -92,8 +95,12 @@ for run in "${@:-baseline speedrun}"; do
       @fsdp*) n=${layout#@fsdp}; launcher=(torchrun --standalone --nproc_per_node "$n" -m distlm)
               par=(parallel.dp_shard="$n" train.micro_batch_size=$((global / n)) train.compile_scope=block) ;;
     esac
-    # Each run compiles from a cold cache unless WARM=1: the timings then include compilation.
-    [ "${WARM:-0}" = 1 ] || export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$name-$RANDOM"
+    # Each run compiles from an empty cache (inductor's, which holds Triton's too), so the timings
+    # include compilation; a +warm run reuses its cold run's. WARM=1: the machine's own cache.
+    if [ "${WARM:-0}" != 1 ]; then
+      export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-$cold"
+      [ "$name" = "$cold" ] && rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+    fi
     rm -rf "$WORK/runs/$name"
     launch=$(date +%s.%N)
     "${launcher[@]}" train "${args[@]}" "${par[@]}" "${COMMON[@]}" log.name="$name" > "$LOGS/$name.log" 2>&1

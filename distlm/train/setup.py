@@ -46,20 +46,29 @@ def compute_context(device: torch.device, amp_dtype: Optional[torch.dtype], loss
     return stack
 
 
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task):
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clock=None):
     """Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
     model when it is sharded. Returns (the wrapped model to train, the plain module inside
-    (under PP this rank's pruned part), the step engine that drives it)."""
+    (under PP this rank's pruned part), the step engine that drives it). ``clock`` (a
+    SetupClock) gets three laps: the model's structure with its parallel plans and compile
+    wrappers, the weights' allocation and init, and the data-parallel wrapper (DDP's
+    constructor broadcasts rank 0's weights: the first collective, so NCCL connects there)."""
+    lap = clock.lap if clock is not None else (lambda name: None)
     with torch.device("meta"):
         inner = task.build_model(cfg)
 
     def materialize(m) -> None:
+        lap("model plan")
         # FSDP2's CPU offload wants the sharded parameters allocated in host memory; the
         # buffers (position tables) still go to the compute device.
         offload = cfg.parallel.cpu_offload and dims.dp_shard > 1
         m.to_empty(device=torch.device("cpu") if offload else device)
         m.init_weights(cfg.train.seed, device)
         task.after_init(m, cfg)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copies to the GPU are asynchronous: count them here
+        lap("weights")
 
     model, stepper = parallelize(inner, dims, cfg, materialize)
+    lap("data-parallel wrap")
     return model, (stepper.parts.model if stepper.parts is not None else inner), stepper

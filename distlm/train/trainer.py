@@ -72,8 +72,8 @@ class Trainer:
         # built or any weight loaded (and before config.yaml is rewritten).
         check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
-        self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task)
-        clock.lap("model")
+        # three laps: model plan, weights, data-parallel wrap
+        self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task, clock)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
         self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
