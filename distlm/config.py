@@ -177,6 +177,10 @@ class ParallelConfig:
     mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only)")
     cpu_offload: bool = False
     ddp_bucket_mb: int = 25
+    grad_reduce_dtype: str = choice("fp32", "fp32", "bf16",
+                                    help="DDP and FSDP2: the dtype gradients are averaged in across ranks; bf16 "
+                                         "halves the bytes (DDP's bf16 compression hook, FSDP2's reduce dtype) "
+                                         "and rounds each rank's gradient to 8 bits of mantissa first")
     activation_checkpoint: str = choice("none", "none", "full", "selective")
     timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
     sequence_parallel: bool = doc(True, "TP: norms and dropout on a slice of the sequence (less memory, same math)")
@@ -435,6 +439,9 @@ def validate(cfg: Config) -> None:
     if t.compile is not False and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
         raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "
                           "into per-block or per-stage pieces; use train.compile_scope=block with them")
+    if p.grad_reduce_dtype != "fp32" and p.engine != "torch":
+        raise ConfigError(f"parallel.grad_reduce_dtype={p.grad_reduce_dtype} is for engine=torch (DDP, FSDP2); "
+                          f"Horovod compresses with parallel.fp16_compression=true")
     if (p.tp > 1 or p.pp > 1) and p.engine != "torch":
         raise ConfigError(f"parallel.engine={p.engine} does data parallelism only; tp and pp need engine=torch")
     if t.micro_batch_size is None and t.global_batch_size % dp:

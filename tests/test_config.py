@@ -31,6 +31,8 @@ def test_overrides_and_model_preset_swap():
     (["model.n_head=5"], "not divisible by model.n_head=5"),
     (["train.global_batch_size=30"], "train.global_batch_size=30 must be a multiple"),
     (["max_steps"], "must look like key=value"),
+    (["parallel.grad_reduce_dtype=fp16"], "parallel.grad_reduce_dtype: 'fp16' is not one of"),
+    (["parallel.grad_reduce_dtype=bf16", "parallel.engine=horovod"], "Horovod compresses with parallel.fp16_compression"),
 ])
 def test_bad_config_is_named(overrides, needle):
     with pytest.raises(ConfigError, match=None) as e:

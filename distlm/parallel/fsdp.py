@@ -26,11 +26,13 @@ def fsdp_mesh(dims: ParallelDims):
 
 
 def precision_policy(pcfg: ParallelConfig, device_type: str) -> MixedPrecisionPolicy:
-    # bf16 all-gathers halve the traffic; gradients are reduced in fp32 so the sum over
-    # many ranks keeps its digits. On CPU the policy stays fp32 so tests compare exactly.
+    # bf16 all-gathers halve the traffic; gradients are reduced in fp32 (unless
+    # parallel.grad_reduce_dtype=bf16) so the sum over many ranks keeps its digits. On CPU
+    # the parameters stay fp32 so tests compare exactly.
+    reduce = torch.bfloat16 if pcfg.grad_reduce_dtype == "bf16" else torch.float32
     if pcfg.mixed_precision and device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    return MixedPrecisionPolicy(reduce_dtype=reduce if reduce != torch.float32 else None)
 
 
 def offload_policy(pcfg: ParallelConfig, device_type: str) -> OffloadPolicy:
