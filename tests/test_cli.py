@@ -1,6 +1,7 @@
 """End to end through the CLI, as a user types it, plus every bad input named in one line."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,12 @@ def test_done_line_says_when_nothing_was_validated(tmp_path):
                f"log.root={tmp_path}", "log.name=s")
     done = p.stdout.strip().splitlines()[-1]
     assert done.startswith("done: step 2, no validation") and "nan" not in done, done
+    # The set-up line splits building the model into its three parts (the GPU logs showed 4-9 s
+    # under one "model" label) and its phases add up to the total it prints.
+    setup = next(line for line in p.stdout.splitlines() if line.startswith("set-up "))
+    phases = re.findall(r"([a-z][a-z -]+?) (\d+\.\d)(?=[,)])", setup.split("(", 1)[1])
+    assert [name for name, _ in phases] == ["device and process group", "config and data check", "model plan",
+                                             "weights", "data-parallel wrap", "optimizer and data loader",
+                                             "resume and run files"], setup
+    total = float(re.match(r"set-up (\d+\.\d) s", setup).group(1))
+    assert abs(sum(float(v) for _, v in phases) - total) <= 0.05 * len(phases), setup
