@@ -18,6 +18,9 @@
 #   tp2_mb32          parallel.tp=2, micro-batch 32 (2 accumulation steps): TP2 halves the activations
 #                     FSDP2 holds, so it fits a micro-batch FSDP2 cannot (planner: 68.5 of 79 GiB)
 #   fsdp2_mb16        FSDP2 at micro-batch 16, the reference for tp2_mb16
+#   tp2_mb32_prof / tp2_async_mb32_prof   TP2 at micro-batch 32 without / with async TP, profiled (the
+#                     profile's top kernels show whether inductor's fused all-gather/reduce-scatter
+#                     matmuls ran, and how much of the step the collectives hold)
 #   tp2_fsdp2[_async] parallel.tp=2 parallel.dp_shard=2 on 4 GPUs, micro-batch 8
 # Writes $OUT/tp-speed${TAG:+-$TAG}.tgz (logs, bench JSON, profile summaries) and a summary on stdout.
 set -uo pipefail
@@ -59,6 +62,9 @@ for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
     before_tp2_async_mb16) run before_tp2_async_mb16 2 "$PWD/$OLD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
     tp2_async_mb16) run tp2_async_mb16 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=16 ;;
     fsdp2_mb16) run fsdp2_mb16 2 "$PWD" parallel.dp_shard=2 train.micro_batch_size=16 ;;
+    tp2_mb32_prof) run tp2_mb32_prof 2 "$PWD" parallel.tp=2 train.micro_batch_size=32 --profile "$R/prof-tp2-mb32" ;;
+    tp2_async_mb32_prof) run tp2_async_mb32_prof 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=32 \
+      --profile "$R/prof-tp2-async-mb32" ;;
     tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
     tp2_fsdp2_async) run tp2_fsdp2_async 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 parallel.async_tp=true train.micro_batch_size=8 ;;
     *) echo "unknown item $item" >&2 ;;

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The next 4-GPU call (< 8 min), prepared in the eleventh session and rehearsed with DRY=1:
+#   CORPUS=carry/corpus bash benchmarks/gpu_s16.sh          (carry: carry/corpus)
+# 1. (issue 19) gpt2-1.5b at micro-batch 32, profiled, two pairs of GPUs at once: GPUs 0-1 async TP,
+#    GPUs 2-3 plain TP2. What is left of TP2's step against FSDP2's: its collectives, or the host; and
+#    whether inductor's fused reduce-scatter matmuls ran (the profile's top kernels);
+# 2. (issue 16) the 1-GPU recipe's step profiled (speedrun-124m, 32 sequences): what the 12 ms optimizer
+#    phase is, kernels or host;
+# 3. (issue 16) speedrun-b64s300@ddp4 from an empty compile cache, then again on the cache it left: the
+#    start-up a warm cache saves on 4 GPUs, the two runs back to back on one machine.
+# Everything comes back as $OUT/s16.tgz; a summary on stdout. Every `timeout` has -k (see gpu_s10.sh).
+NAME=s16; source benchmarks/device_call.sh
+CORPUS=${CORPUS:-carry/corpus}
+mkdir -p "$R/sr"
+( export PYTHONPATH=$PWD; python3 scripts/build_speedrun_corpus.py "$CORPUS" "$R/sr/text" && python3 -m distlm prepare \
+    "$R/sr/text" --out "$R/sr/data" --quiet ) > "$R/prepare.log" 2>&1 &
+
+# 1.
+mkdir -p "$R/tp"
+CUDA_VISIBLE_DEVICES=0,1 OUT=$R/tp TAG=a ITEMS="tp2_async_mb32_prof" BUDGET=170 \
+  timeout -k 10 175 bash benchmarks/tp_speed.sh > "$R/tp/a.txt" 2>&1 &
+CUDA_VISIBLE_DEVICES=2,3 OUT=$R/tp TAG=b ITEMS="tp2_mb32_prof" BUDGET=170 \
+  timeout -k 10 175 bash benchmarks/tp_speed.sh > "$R/tp/b.txt" 2>&1
+wait
+grep -h "json:" "$R/tp/a.txt" "$R/tp/b.txt"
+for d in /tmp/tp-speed-a /tmp/tp-speed-b; do
+  cp "$d"/*.log "$d"/*.json "$R/tp/" 2>/dev/null
+  for prof in "$d"/prof-*; do [ -d "$prof" ] && mkdir -p "$R/tp/$(basename "$prof")" && cp -r "$prof"/rank0 "$R/tp/$(basename "$prof")/"; done
+done
+leftovers; pack
+
+# 2.
+M=(--config speedrun-124m data.source=synthetic)
+[ "${DRY:-0}" = 1 ] && M=(--config tiny data.source=synthetic train.device=cpu train.compile=false)
+PYTHONPATH=$PWD CUDA_VISIBLE_DEVICES=0 timeout -k 5 100 python3 -m distlm bench "${M[@]}" --warmup 8 --steps 10 \
+  --no-comm-probe --profile "$R/prof-x1" --json "$R/bench-x1.json" > "$R/bench-x1.log" 2>&1
+grep -E "tok/s \(|^profile|^error" "$R/bench-x1.log" | head -3 | sed "s/^/[bench x1] /"
+leftovers; pack
+wait
+
+# 3.
+left=$((440 - SECONDS))
+OUT=$R/sr WORK=$R/sr TAG=x4 CORPUS=$CORPUS timeout -k 10 "$left" bash benchmarks/speedrun.sh \
+  "speedrun-b64s300@ddp4 speedrun-b64s300@ddp4+warm" > "$R/x4.txt" 2>&1
+sed "s/^/[4 GPUs] /" "$R/x4.txt" | grep -v "^\[4 GPUs\] *$" | tail -6
+leftovers; pack
