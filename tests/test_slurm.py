@@ -87,6 +87,16 @@ def test_time_limit_for_the_trainer():
     assert 2990 <= limit <= 3000
 
 
+def test_compile_cache_is_shared_by_the_nodes_and_kept_by_a_user_setting():
+    """A requeued job may land on other nodes: the compile cache goes to the user's cache
+    folder (on a cluster, the shared home), not the node's /tmp; a value the user set stays."""
+    env = {**JOB, "HOME": "/home/ada"}
+    assert launch_env(env, None)["TORCHINDUCTOR_CACHE_DIR"] == "/home/ada/.cache/distlm/torchinductor"
+    assert launch_env({**env, "XDG_CACHE_HOME": "/scratch/ada"}, None)["TORCHINDUCTOR_CACHE_DIR"] == \
+        "/scratch/ada/distlm/torchinductor"
+    assert launch_env({**env, "TORCHINDUCTOR_CACHE_DIR": "/fast/ic"}, None)["TORCHINDUCTOR_CACHE_DIR"] == "/fast/ic"
+
+
 def test_run_finished_reads_the_newest_checkpoint(tmp_path):
     assert not run_finished(tmp_path)
     for step in (50, 100):

@@ -145,7 +145,13 @@ def launch_env(env: Mapping[str, str], left_s: Optional[float], margin_s: float 
              PYTHONUNBUFFERED=1,
              # One rendezvous store per round: with torch's shared store a node that replaces a lost one
              # waits forever for an address the survivors never republish (tests/test_distributed.py).
-             TORCH_DISABLE_SHARE_RDZV_TCP_STORE=env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") or 1)
+             TORCH_DISABLE_SHARE_RDZV_TCP_STORE=env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") or 1,
+             # torch.compile's cache (inductor's graphs and Triton's kernels) in the user's own cache
+             # folder instead of the node's /tmp: a requeued job that lands on other nodes finds its
+             # compiled graphs there (measured on H100s: 13-14 s of compilation saved on 4 GPUs, 27 s on
+             # one). It holds code that torch runs, so it stays in the user's home, never in a run folder.
+             TORCHINDUCTOR_CACHE_DIR=env.get("TORCHINDUCTOR_CACHE_DIR")
+             or f"{env.get('XDG_CACHE_HOME') or env.get('HOME', '~') + '/.cache'}/distlm/torchinductor")
     return {k: str(v) for k, v in r.items()}
 
 
