@@ -174,7 +174,7 @@ class ParallelConfig:
     tp: int = doc(1, "tensor-parallel degree")
     pp: int = doc(1, "pipeline-parallel degree")
     reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
-    mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only)")
+    mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only; see grad_reduce_dtype)")
     cpu_offload: bool = False
     ddp_bucket_mb: int = 25
     grad_reduce_dtype: str = choice("fp32", "fp32", "bf16",

@@ -26,13 +26,14 @@ def fsdp_mesh(dims: ParallelDims):
 
 
 def precision_policy(pcfg: ParallelConfig, device_type: str) -> MixedPrecisionPolicy:
-    # bf16 all-gathers halve the traffic; gradients are reduced in fp32 (unless
-    # parallel.grad_reduce_dtype=bf16) so the sum over many ranks keeps its digits. On CPU
-    # the parameters stay fp32 so tests compare exactly.
-    reduce = torch.bfloat16 if pcfg.grad_reduce_dtype == "bf16" else torch.float32
+    # bf16 all-gathers halve the traffic; gradients are reduced in fp32 so the sum over
+    # many ranks keeps its digits, unless parallel.grad_reduce_dtype=bf16 asks for half the
+    # bytes. On CPU the parameters stay fp32 so tests compare exactly.
+    bf16_reduce = pcfg.grad_reduce_dtype == "bf16"
     if pcfg.mixed_precision and device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-    return MixedPrecisionPolicy(reduce_dtype=reduce if reduce != torch.float32 else None)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                    reduce_dtype=torch.bfloat16 if bf16_reduce else torch.float32)
+    return MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if bf16_reduce else None)  # None: the grads' own
 
 
 def offload_policy(pcfg: ParallelConfig, device_type: str) -> OffloadPolicy:
