@@ -30,3 +30,20 @@ leftovers() {
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
   echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/machine.txt" 2>&1
 head -3 "$R/machine.txt"
+
+# The speedrun corpus laid out and prepared under $R/sr, in the background (~10 s); `wait` before
+# the first run that reads it.
+corpus_in_background() {
+  mkdir -p "$R/sr"
+  ( export PYTHONPATH=$PWD; python3 scripts/build_speedrun_corpus.py "$1" "$R/sr/text" && python3 -m distlm prepare \
+      "$R/sr/text" --out "$R/sr/data" --quiet ) > "$R/prepare.log" 2>&1 &
+}
+
+# speedrun_runs "RUN ..." END_S: benchmarks/speedrun.sh on all GPUs until END_S seconds into the call,
+# its table on stdout.
+speedrun_runs() {
+  OUT=$R/sr WORK=$R/sr TAG=x4 CORPUS=$CORPUS timeout -k 10 "$(($2 - SECONDS))" bash benchmarks/speedrun.sh "$1" \
+    > "$R/x4.txt" 2>&1
+  sed "s/^/[4 GPUs] /" "$R/x4.txt" | grep -v "^\[4 GPUs\] *$" | tail -8
+}
+

@@ -11,9 +11,7 @@
 # Everything comes back as $OUT/s16.tgz; a summary on stdout. Every `timeout` has -k (see gpu_s10.sh).
 NAME=s16; source benchmarks/device_call.sh
 CORPUS=${CORPUS:-carry/corpus}
-mkdir -p "$R/sr"
-( export PYTHONPATH=$PWD; python3 scripts/build_speedrun_corpus.py "$CORPUS" "$R/sr/text" && python3 -m distlm prepare \
-    "$R/sr/text" --out "$R/sr/data" --quiet ) > "$R/prepare.log" 2>&1 &
+corpus_in_background "$CORPUS"
 
 # 1.
 mkdir -p "$R/tp"
@@ -39,8 +37,5 @@ leftovers; pack
 wait
 
 # 3.
-left=$((440 - SECONDS))
-OUT=$R/sr WORK=$R/sr TAG=x4 CORPUS=$CORPUS timeout -k 10 "$left" bash benchmarks/speedrun.sh \
-  "speedrun-b64s300@ddp4 speedrun-b64s300@ddp4+warm" > "$R/x4.txt" 2>&1
-sed "s/^/[4 GPUs] /" "$R/x4.txt" | grep -v "^\[4 GPUs\] *$" | tail -6
+speedrun_runs "speedrun-b64s300@ddp4 speedrun-b64s300@ddp4+warm" 440
 leftovers; pack
