@@ -96,9 +96,10 @@ def test_overrides_may_come_after_flags(capsys):
         main(["plan", "--config", "gpt2-124m-1024", "model.n_layer=4", "--gpus", "2", "stray"])
 
 
-def test_done_line_says_when_nothing_was_validated(tmp_path):
+def test_setup_and_done_lines_read_through_a_pipe(tmp_path):
     """Synthetic tokens have no val split: the last line says so instead of 'val loss nan'
-    (a GPU log of the two-node run read as if the model had diverged)."""
+    (a GPU log of the two-node run read as if the model had diverged). The set-up line names
+    each phase of the start-up, in order, and they add up to its total."""
     p = distlm("train", "--config", "tiny", *SMALL, "data.source=synthetic", "train.max_steps=2",
                f"log.root={tmp_path}", "log.name=s")
     done = p.stdout.strip().splitlines()[-1]
