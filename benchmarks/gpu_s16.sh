@@ -6,8 +6,10 @@
 #    whether inductor's fused reduce-scatter matmuls ran (the profile's top kernels);
 # 2. (issue 16) the 1-GPU recipe's step profiled (speedrun-124m, 32 sequences): what the 12 ms optimizer
 #    phase is, kernels or host;
-# 3. (issue 16) speedrun-b64s300@ddp4 from an empty compile cache, then again on the cache it left: the
-#    start-up a warm cache saves on 4 GPUs, the two runs back to back on one machine.
+# 3. (issue 16) speedrun-b64s300@ddp4 without compilation (eager), then compiled, both from an empty
+#    compile cache: does a 300-step run on 4 GPUs earn back its ~28 s of compilation?
+# Profiles now also split each step on the GPU's timeline: compute, communication hidden beside it,
+# communication alone (exposed), no kernel.
 # Everything comes back as $OUT/s16.tgz; a summary on stdout. Every `timeout` has -k (see gpu_s10.sh).
 NAME=s16; source benchmarks/device_call.sh
 CORPUS=${CORPUS:-carry/corpus}
@@ -32,10 +34,10 @@ M=(--config speedrun-124m data.source=synthetic)
 [ "${DRY:-0}" = 1 ] && M=(--config tiny data.source=synthetic train.device=cpu train.compile=false)
 PYTHONPATH=$PWD CUDA_VISIBLE_DEVICES=0 timeout -k 5 100 python3 -m distlm bench "${M[@]}" --warmup 8 --steps 10 \
   --no-comm-probe --profile "$R/prof-x1" --json "$R/bench-x1.json" > "$R/bench-x1.log" 2>&1
-grep -E "tok/s \(|^profile|^error" "$R/bench-x1.log" | head -3 | sed "s/^/[bench x1] /"
+grep -E "tok/s \(|^profile|^timeline|^error" "$R/bench-x1.log" | head -4 | sed "s/^/[bench x1] /"
 leftovers; pack
 wait
 
 # 3.
-speedrun_runs "speedrun-b64s300@ddp4 speedrun-b64s300@ddp4+warm" 440
+speedrun_runs "speedrun-b64s300eager@ddp4 speedrun-b64s300@ddp4" 545
 leftovers; pack

@@ -56,6 +56,7 @@ declare -A ABLATIONS=(
   [b16]="train.global_batch_size=16 train.micro_batch_size=16 train.max_steps=1200 train.eval_every=600"  # half the tokens a step, twice the steps (for a 600-step EXTRA)
   [seqwarm]="train.seq_warmup_steps=150 train.seq_warmup_start=256" # rows of 256, then 512 tokens first
   [b64s300]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=300 train.eval_every=150"  # 19.7M tokens, as the 1-GPU recipe
+  [b64s300eager]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=300 train.eval_every=150 train.compile=false"  # no compilation: its start-up against its slower steps
   [b64s300bf16]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=300 train.eval_every=150 parallel.grad_reduce_dtype=bf16"  # gradients averaged in bf16
   [b64s350]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=350 train.eval_every=175"  # for 4 GPUs: 16 sequences each
   [b64s450]="train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=450 train.eval_every=150"

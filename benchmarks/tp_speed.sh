@@ -44,7 +44,7 @@ run() {  # run NAME NPROC PYTHONPATH [overrides and flags...]
   [ $((BUDGET - SECONDS)) -lt 100 ] && { echo "[$name] skipped: time"; return; }
   PYTHONPATH=$path timeout $((BUDGET - SECONDS)) torchrun --standalone --nproc_per_node "$np" -m distlm bench "${M[@]}" \
     "$@" --warmup 3 --steps 6 --no-comm-probe --json "$R/$name.json" > "$R/$name.log" 2>&1
-  grep -E "tok/s|MFU|optimizer|step split|memory|profile" "$R/$name.log" | head -8 | sed "s/^/[$name] /"
+  grep -E "tok/s|MFU|optimizer|step split|memory|profile|timeline" "$R/$name.log" | head -9 | sed "s/^/[$name] /"
   grep -m3 -E "Error|error:" "$R/$name.log" | sed "s/^/[$name] /"
   # traces are too big to come back; the profile's summary (profile.md) does
   tar -czf "$OUT/tp-speed${TAG:+-$TAG}.tgz" -C /tmp --exclude="*trace*" "$(basename "$R")"

@@ -67,3 +67,31 @@ def test_profile_counts_kernels_not_the_ranges_around_them():
     assert [r[0] for r in rows] == ["ncclDevKernel_AllGather_RING_LL", "nvjet_sm90_tst_192x192"]
     s = summarize(rows, steps=1, step_s=0.02)
     assert s["categories_s"] == {"communication": 0.009, "matmul": 0.005} and abs(s["idle_s"] - 0.006) < 1e-12
+
+
+def test_profile_timeline_splits_hidden_from_exposed_communication():
+    """A 10 ms step: compute 0-4 ms and 6-8 ms, communication 3-7 ms (1 ms beside the first
+    compute, 1 ms beside the second, 2 ms alone), nothing 8-10 ms. Summed kernel times (10 ms)
+    would call the step fully busy."""
+    from types import SimpleNamespace
+    import torch
+    from distlm.bench.profile import kernel_intervals, markdown, summarize, timeline
+    ms = 1e-3
+    t = timeline([(0, 4 * ms, False), (6 * ms, 8 * ms, False), (3 * ms, 7 * ms, True), (3.5 * ms, 4.5 * ms, True)],
+                 steps=1, step_s=10 * ms)
+    assert t["compute_s"] == pytest.approx(6 * ms) and t["comm_hidden_s"] == pytest.approx(2 * ms)
+    assert t["comm_exposed_s"] == pytest.approx(2 * ms) and t["idle_s"] == pytest.approx(2 * ms)
+    # Two steps halve every figure; the events come from the profiler in microseconds.
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def evt(name, a, b, annotation=False):
+        return SimpleNamespace(name=name, device_type=cuda, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=a, end=b))
+    events = [evt("nvjet_sm90_gemm", 0, 4000), evt("ncclDevKernel_ReduceScatter", 2000, 6000),
+              evt("nccl:reduce_scatter", 0, 9000, annotation=True)]
+    t2 = timeline(kernel_intervals(SimpleNamespace(events=lambda: events)), steps=2, step_s=5 * ms)
+    assert t2 == pytest.approx({"compute_s": 2 * ms, "comm_hidden_s": 1 * ms, "comm_exposed_s": 1 * ms,
+                                "idle_s": 2 * ms})
+    s = summarize([("nvjet_sm90_gemm", 0.004, 1)], steps=2, step_s=5 * ms)
+    s["timeline"] = t2
+    assert "| communication alone (exposed) | 1.00 | 20.0 |" in markdown(s, "x")

@@ -81,6 +81,61 @@ def summarize(rows: list[tuple[str, float, int]], steps: int, step_s: float) -> 
     }
 
 
+def kernel_intervals(prof) -> list[tuple[float, float, bool]]:
+    """(start s, end s, is communication) of every CUDA kernel the profiler saw, user
+    annotations left out as in kernel_times."""
+    out = []
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+            continue
+        tr = evt.time_range
+        if tr.end > tr.start:
+            out.append((tr.start / 1e6, tr.end / 1e6, categorize(evt.name) == "communication"))
+    return out
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersection(xs, ys) -> float:
+    """Total overlap of two merged, sorted interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline(intervals: list[tuple[float, float, bool]], steps: int, step_s: float) -> dict:
+    """Per-step seconds on the GPU's clock, from when kernels ran rather than how long they
+    ran in total: communication a compute kernel ran beside (overlapped, hidden) against
+    communication alone on the GPU (exposed: the step waits for it), compute, and idle (no
+    kernel at all: the host or a synchronisation). Summed kernel times cannot tell these apart:
+    a NCCL kernel counts its wait for the other ranks, and streams overlap."""
+    comm = _merge([(a, b) for a, b, c in intervals if c])
+    compute = _merge([(a, b) for a, b, c in intervals if not c])
+    busy = _length(_merge([(a, b) for a, b, _ in intervals]))
+    hidden = _intersection(comm, compute)
+    return {"compute_s": _length(compute) / steps, "comm_hidden_s": hidden / steps,
+            "comm_exposed_s": (_length(comm) - hidden) / steps,
+            "idle_s": max(0.0, step_s * steps - busy) / steps}
+
+
 def markdown(s: dict, title: str) -> str:
     step = s["step_s"]
     lines = [f"# Profile: {title}", "",
@@ -92,6 +147,15 @@ def markdown(s: dict, title: str) -> str:
         lines.append(f"| {cat} | {1e3 * t:.2f} | {100 * t / step:.1f} |")
     lines.append(f"| idle (no kernel running: launch gaps, host sync, data) | {1e3 * s['idle_s']:.2f} | "
                  f"{100 * s['idle_s'] / step:.1f} |")
+    t = s.get("timeline")
+    if t:
+        lines += ["", "On the GPU's timeline (when kernels ran, all streams of this rank):", "",
+                  "| | ms/step | % of step |", "|---|---|---|"]
+        for key, label in (("compute_s", "compute (any non-communication kernel running)"),
+                           ("comm_hidden_s", "communication beside compute (hidden)"),
+                           ("comm_exposed_s", "communication alone (exposed)"),
+                           ("idle_s", "no kernel (host, launch gaps, waits)")):
+            lines.append(f"| {label} | {1e3 * t[key]:.2f} | {100 * t[key] / step:.1f} |")
     lines += ["", "Top kernels:", "", "| kernel | category | ms/step | calls/step |", "|---|---|---|---|"]
     for k in s["top"]:
         name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
@@ -119,6 +183,8 @@ def profile_steps(trainer, steps: int, out_dir: Path, title: str) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     s = summarize(kernel_times(prof, cuda), steps, wall / steps)
+    if cuda:
+        s["timeline"] = timeline(kernel_intervals(prof), steps, wall / steps)
     s["title"] = title
     tmp = out_dir / "trace.json.tmp"
     prof.export_chrome_trace(str(tmp))

@@ -192,7 +192,8 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "mesh_spread": mesh_spread(dims),
         "pp_microbatches": trainer.stepper.n_microbatches,
         "date": time.strftime("%Y-%m-%d"), "memory_cap_gib": memory_cap_gib or None, "run_dir": str(trainer.run_dir),
-        "profile": prof and {"dir": str(profile_dir), "categories_s": prof["categories_s"], "idle_s": prof["idle_s"]},
+        "profile": prof and {"dir": str(profile_dir), "categories_s": prof["categories_s"], "idle_s": prof["idle_s"],
+                            "timeline_s": prof.get("timeline")},
     }
     return result
 
@@ -236,6 +237,11 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
         split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["profile"]["categories_s"].items())
         print(f"profile (ms per step): {split}, idle {1e3 * r['profile']['idle_s']:.1f}; "
               f"{r['profile']['dir']}/profile.md")
+        t = r["profile"].get("timeline_s")
+        if t:  # CUDA only: when the kernels ran, so overlap is seen
+            print(f"timeline (ms per step, this rank's GPU): compute {1e3 * t['compute_s']:.1f}, "
+                  f"communication hidden {1e3 * t['comm_hidden_s']:.1f}, exposed {1e3 * t['comm_exposed_s']:.1f}, "
+                  f"no kernel {1e3 * t['idle_s']:.1f}")
     spread = r.get("mesh_spread")
     if spread and spread["nodes"] > 1:
         print(f"{spread['nodes']} nodes; the process groups of each mesh axis span at most: " + ", ".join(
