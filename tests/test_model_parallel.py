@@ -362,3 +362,33 @@ def test_pp_sweep_writes_table_json_and_plot(tmp_path):
     assert len(table) == 1 + len(rows)
     import matplotlib.image
     assert matplotlib.image.imread(out / "pp-sweep.png").shape[0] > 100
+
+
+def test_async_tp_registers_the_tp_group_for_inductors_pass(tmp_path):
+    """Inductor's async-TP pass fuses nothing for a group that ``is_symm_mem_enabled_for_group``
+    does not know, and torch 2.10-2.13 know it only after the call they mark deprecated:
+    skipping that call made every async-TP run plain TP. Run in a child process (one gloo
+    rank) so the process group and inductor's flag stay out of this test process."""
+    import subprocess
+    import sys
+    code = f"""
+import warnings
+from types import SimpleNamespace
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+import torch._inductor.config as inductor_config
+from distlm.parallel.tp import enable_async_tp
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+group = dist.new_group([0])
+assert not symm_mem.is_symm_mem_enabled_for_group(group.group_name)
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the deprecation warning must not reach the user
+    enable_async_tp(SimpleNamespace(device_type="cuda", get_group=lambda: group))
+    enable_async_tp(SimpleNamespace(device_type="cuda", get_group=lambda: group))  # twice: a no-op
+assert symm_mem.is_symm_mem_enabled_for_group(group.group_name)
+assert inductor_config._micro_pipeline_tp
+dist.destroy_process_group()
+print("registered")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "registered" in out.stdout, out.stderr[-2000:]

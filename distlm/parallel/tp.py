@@ -182,13 +182,32 @@ def enable_async_tp(tp_mesh) -> None:
         raise ConfigError("parallel.async_tp needs CUDA GPUs (it uses symmetric memory); "
                           "leave it off on CPU")
     import torch._inductor.config as inductor_config
-    import torch.distributed._symmetric_memory as symm_mem
     inductor_config._micro_pipeline_tp = True
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    # Needed by older torch; later versions find the group themselves and mark the call
-    # deprecated (a FutureWarning on every rank), so it is made only where it is not.
-    if enable is not None and getattr(enable, "__deprecated__", None) is None:
-        enable(tp_mesh.get_group().group_name)
+    register_symm_mem_group(tp_mesh.get_group().group_name)
+
+
+def register_symm_mem_group(group_name: str) -> None:
+    """Make inductor's async-TP pass rewrite this group's collectives.
+
+    The pass fuses a group's all-gather/reduce-scatter with their matmuls only where
+    ``is_symm_mem_enabled_for_group`` says yes, and in torch 2.10 to 2.13 that holds only after
+    ``enable_symm_mem_for_group``, which the same versions mark deprecated ("no need to call
+    this function anymore"). Taking the deprecation at its word, distlm skipped the call from
+    c4d1e45 on, and the pass silently fused nothing: the async-TP figures of the ninth to the
+    eleventh session ran plain TP (pytorch/pytorch#193027). So the call is made wherever the check does not
+    already pass, with its FutureWarning silenced; a torch whose check no longer needs it
+    returns before the call."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+    if symm_mem.is_symm_mem_enabled_for_group(group_name):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group_name)
+    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        raise RuntimeError(f"parallel.async_tp: symmetric memory could not be enabled for TP group {group_name!r}; "
+                           "async TP would silently run as plain TP")
 
 
 def replicate_rest(model: nn.Module, tp_mesh) -> None:
