@@ -95,3 +95,17 @@ def test_profile_timeline_splits_hidden_from_exposed_communication():
     s = summarize([("nvjet_sm90_gemm", 0.004, 1)], steps=2, step_s=5 * ms)
     s["timeline"] = t2
     assert "| communication alone (exposed) | 1.00 | 20.0 |" in markdown(s, "x")
+
+
+def test_profile_counts_triton_kernels_named_after_collectives_as_compute():
+    """Inductor names a fused kernel after the ops it absorbs; the element-wise work around a
+    TP reduce-scatter is compute on the GPU's timeline, not a collective."""
+    from distlm.bench.profile import categorize
+    assert categorize("triton_poi_fused__unsafe_view_cat_reduce_scatter_tensor_split_4") == \
+        "fused element-wise/norm (Triton)"
+    assert categorize("triton_per_fused__to_copy_add_all_gather_into_tensor_native_layer_norm_backward_10") == \
+        "fused element-wise/norm (Triton)"
+    assert categorize("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "communication"
+    assert categorize("c10d::allreduce_") == "communication"
+    assert categorize("Memcpy PtoP (Device -> Device)") == "communication"  # async TP's peer copies
+    assert categorize("Memcpy DtoD (Device -> Device)") == "copies/casts/fills"

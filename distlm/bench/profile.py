@@ -22,7 +22,12 @@ from distlm.io import atomic_write_text
 # cuBLAS/CUTLASS gemms (sm90_xmma, nvjet, cutlass), cuDNN/flash attention, NCCL, the
 # fused optimizer (multi_tensor_apply / fused_adam), Triton kernels from Inductor.
 CATEGORIES = [
-    ("communication", r"nccl|c10d::|gloo|all_reduce|allreduce|reduce_scatter|all_gather|broadcast"),
+    # Not a Triton kernel: inductor names its fused kernels after the ops they absorb, so the
+    # element-wise work beside a TP collective ("triton_poi_fused_..._reduce_scatter_tensor_split")
+    # is compute, not communication (41 ms a step of TP2's were counted as communication).
+    # "Memcpy PtoP" is a copy from another GPU: async TP's symmetric-memory transfers.
+    ("communication", r"^(?!triton_).*(nccl|c10d::|gloo|all_reduce|allreduce|reduce_scatter|all_gather|broadcast)"
+                      r"|memcpy ptop"),
     ("attention", r"flash|fmha|cudnn.*attn|attention|sdpa|_efficient_attention|_scaled_dot_product"),
     ("optimizer", r"adam|multi_tensor|foreach|optimizer"),
     ("matmul", r"gemm|xmma|nvjet|cutlass|cublas|triton_tem|\bmm\b|aten::mm|aten::addmm|aten::bmm|aten::matmul"
