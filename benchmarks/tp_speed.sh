@@ -18,6 +18,9 @@
 #   tp2_mb32          parallel.tp=2, micro-batch 32 (2 accumulation steps): TP2 halves the activations
 #                     FSDP2 holds, so it fits a micro-batch FSDP2 cannot (planner: 68.5 of 79 GiB)
 #   fsdp2_mb16        FSDP2 at micro-batch 16, the reference for tp2_mb16
+#   tp2_mb32_reorder / tp2_mb32_overlap   TP2 at micro-batch 32 with inductor's compute/communication
+#                     reordering (reorder_for_compute_comm_overlap) or its overlap scheduler
+#                     (aten_distributed_optimizations.enable_overlap_scheduling), profiled
 #   tp2_mb32_prof / tp2_async_mb32_prof   TP2 at micro-batch 32 without / with async TP, profiled (the
 #                     profile's top kernels show whether inductor's fused all-gather/reduce-scatter
 #                     matmuls ran, and how much of the step the collectives hold)
@@ -42,7 +45,9 @@ fi
 run() {  # run NAME NPROC PYTHONPATH [overrides and flags...]
   local name=$1 np=$2 path=$3; shift 3
   [ $((BUDGET - SECONDS)) -lt 100 ] && { echo "[$name] skipped: time"; return; }
-  PYTHONPATH=$path timeout $((BUDGET - SECONDS)) torchrun --standalone --nproc_per_node "$np" -m distlm bench "${M[@]}" \
+  # INDUCTOR=k=v,...: inductor settings for this item (benchmarks/inductor_knobs.py)
+  local entry=(-m distlm); [ -n "${INDUCTOR:-}" ] && entry=("$PWD/benchmarks/inductor_knobs.py")
+  PYTHONPATH=$path timeout $((BUDGET - SECONDS)) torchrun --standalone --nproc_per_node "$np" "${entry[@]}" bench "${M[@]}" \
     "$@" --warmup 3 --steps 6 --no-comm-probe --json "$R/$name.json" > "$R/$name.log" 2>&1
   grep -E "tok/s|MFU|optimizer|step split|memory|profile|timeline" "$R/$name.log" | head -9 | sed "s/^/[$name] /"
   grep -m3 -E "Error|error:" "$R/$name.log" | sed "s/^/[$name] /"
@@ -65,6 +70,10 @@ for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
     tp2_mb32_prof) run tp2_mb32_prof 2 "$PWD" parallel.tp=2 train.micro_batch_size=32 --profile "$R/prof-tp2-mb32" ;;
     tp2_async_mb32_prof) run tp2_async_mb32_prof 2 "$PWD" parallel.tp=2 parallel.async_tp=true train.micro_batch_size=32 \
       --profile "$R/prof-tp2-async-mb32" ;;
+    tp2_mb32_reorder) INDUCTOR=reorder_for_compute_comm_overlap=true run tp2_mb32_reorder 2 "$PWD" parallel.tp=2 \
+      train.micro_batch_size=32 --profile "$R/prof-tp2-mb32-reorder" ;;
+    tp2_mb32_overlap) INDUCTOR=aten_distributed_optimizations.enable_overlap_scheduling=true run tp2_mb32_overlap 2 "$PWD" \
+      parallel.tp=2 train.micro_batch_size=32 --profile "$R/prof-tp2-mb32-overlap" ;;
     tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
     tp2_fsdp2_async) run tp2_fsdp2_async 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 parallel.async_tp=true train.micro_batch_size=8 ;;
     *) echo "unknown item $item" >&2 ;;
