@@ -320,3 +320,16 @@ def test_plan_command_rejects_bad_network_values(capsys):
     assert "--gpus-per-node 3" in capsys.readouterr().err
     assert main(["plan", "--config", "gpt2-1.5b", "--gpus", "4", "--inter-node-gbs", "0"]) == 2
     assert "--inter-node-gbs 0" in capsys.readouterr().err
+
+
+def test_tp2_at_micro_batch_32_is_its_compute_plus_its_collectives():
+    """TP2 at micro-batch 32 on the GPU's timeline (twelfth session, `bench --profile`): 778 ms of
+    compute kernels, 205 ms of NCCL with no compute beside it, nothing hidden. The estimate must
+    split the step the same way: compute near the kernels' time, TP's collectives added in full
+    (not overlapped), and no host term (at 32 the host keeps up)."""
+    rec = record("gpt2-1.5b TP2 (SP + loss parallel), 2 x H100, micro 32, twelfth session call 2")
+    prof, est = rec["measured_timeline_ms"], estimate_record(rec).time_ms
+    assert prof["comm_hidden"] < 0.01 * prof["comm_exposed"]
+    assert est["compute"] == pytest.approx(prof["compute"], rel=0.2)
+    assert est["tp_comm"] == pytest.approx(prof["comm_exposed"], rel=0.35)
+    assert est["tp_host"] == 0
