@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Twelfth session, call 4 (4 GPUs, < 6 min), rehearsed with DRY=1:   bash benchmarks/gpu_s19.sh
+# It ran at commit 390215f. The option it measured (parallel.tp_batch_chunks) and its tp_speed.sh items were
+# removed after it (slower, or out of memory: benchmarks/RESULTS.md, twelfth session); check out 390215f to
+# run it again.
 # (issue 19) parallel.tp_batch_chunks: each block runs its micro-batch as chunks interleaved sub-layer by
 # sub-layer, so one chunk's collectives can run beside another chunk's matmuls. gpt2-1.5b, TP2 at
 # micro-batch 32, profiled; two GPU pairs at once, three rounds:

@@ -21,8 +21,6 @@
 #   tp2_mb32_reorder / tp2_mb32_overlap   TP2 at micro-batch 32 with inductor's compute/communication
 #                     reordering (reorder_for_compute_comm_overlap) or its overlap scheduler
 #                     (aten_distributed_optimizations.enable_overlap_scheduling), profiled
-#   tp2_mb32_c2 / _c2_overlap / _c4_overlap / _c2_reorder   TP2 at micro-batch 32 with each block's batch in
-#                     2 (or 4) chunks (parallel.tp_batch_chunks), alone or with one of inductor's passes, profiled
 #   tp2_mb32_prof / tp2_async_mb32_prof   TP2 at micro-batch 32 without / with async TP, profiled (the
 #                     profile's top kernels show whether inductor's fused all-gather/reduce-scatter
 #                     matmuls ran, and how much of the step the collectives hold)
@@ -76,14 +74,6 @@ for item in ${ITEMS:-fsdp2 before_tp2 tp2 tp2_async tp2_mb16}; do
       train.micro_batch_size=32 --profile "$R/prof-tp2-mb32-reorder" ;;
     tp2_mb32_overlap) INDUCTOR=aten_distributed_optimizations.enable_overlap_scheduling=true run tp2_mb32_overlap 2 "$PWD" \
       parallel.tp=2 train.micro_batch_size=32 --profile "$R/prof-tp2-mb32-overlap" ;;
-    tp2_mb32_c2) run tp2_mb32_c2 2 "$PWD" parallel.tp=2 train.micro_batch_size=32 parallel.tp_batch_chunks=2 \
-      --profile "$R/prof-tp2-mb32-c2" ;;
-    tp2_mb32_c2_overlap) INDUCTOR=aten_distributed_optimizations.enable_overlap_scheduling=true run tp2_mb32_c2_overlap 2 \
-      "$PWD" parallel.tp=2 train.micro_batch_size=32 parallel.tp_batch_chunks=2 --profile "$R/prof-tp2-mb32-c2-overlap" ;;
-    tp2_mb32_c4_overlap) INDUCTOR=aten_distributed_optimizations.enable_overlap_scheduling=true run tp2_mb32_c4_overlap 2 \
-      "$PWD" parallel.tp=2 train.micro_batch_size=32 parallel.tp_batch_chunks=4 --profile "$R/prof-tp2-mb32-c4-overlap" ;;
-    tp2_mb32_c2_reorder) INDUCTOR=reorder_for_compute_comm_overlap=true run tp2_mb32_c2_reorder 2 "$PWD" parallel.tp=2 \
-      train.micro_batch_size=32 parallel.tp_batch_chunks=2 --profile "$R/prof-tp2-mb32-c2-reorder" ;;
     tp2_fsdp2) run tp2_fsdp2 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 train.micro_batch_size=8 ;;
     tp2_fsdp2_async) run tp2_fsdp2_async 4 "$PWD" parallel.tp=2 parallel.dp_shard=2 parallel.async_tp=true train.micro_batch_size=8 ;;
     *) echo "unknown item $item" >&2 ;;

@@ -188,9 +188,6 @@ class ParallelConfig:
     async_tp: bool = doc(False, "TP: overlap the sequence-parallel all-gathers and reduce-scatters with the "
                                 "matmuls (compiled, CUDA, symmetric memory); measured no faster for gpt2-1.5b "
                                 "on 2 x H100")
-    tp_batch_chunks: int = doc(1, "TP: each block runs its micro-batch as this many chunks, interleaved sub-layer "
-                                  "by sub-layer in one compiled graph, so one chunk's all-gathers and "
-                                  "reduce-scatters can run beside another chunk's matmuls (same math)")
     pp_schedule: str = choice("1f1b", "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                               help="naive = one microbatch, no overlap (the baseline the others beat)")
     pp_microbatches: int = doc(0, "PP: microbatches per step; 0 = local batch / train.micro_batch_size")
@@ -439,14 +436,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.async_tp pipelines TP's sequence-parallel collectives inside compiled blocks: "
                           f"it needs parallel.tp > 1 (got {p.tp}), parallel.sequence_parallel=true (got "
                           f"{str(p.sequence_parallel).lower()}) and train.compile not false")
-    if p.tp_batch_chunks < 1:
-        raise ConfigError(f"parallel.tp_batch_chunks={p.tp_batch_chunks} must be at least 1")
-    if p.tp_batch_chunks > 1 and p.tp == 1:
-        raise ConfigError(f"parallel.tp_batch_chunks={p.tp_batch_chunks} overlaps TP's collectives: it needs "
-                          f"parallel.tp > 1 (got 1)")
-    if p.tp_batch_chunks > 1 and m.attn_mask == "doc":
-        raise ConfigError(f"parallel.tp_batch_chunks={p.tp_batch_chunks} does not split document masks yet "
-                          "(model.attn_mask=doc); leave it at 1")
     # compile=auto is on wherever a GPU is: an explicit scope=model is refused with it too.
     if t.compile is not False and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
         raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "

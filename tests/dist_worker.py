@@ -169,9 +169,7 @@ def main(plan_path: str) -> None:
             info.update(inspect_model(trainer))
             if (trainer.dims.dp_shard > 1 or trainer.dims.tp > 1) and trainer.stepper.parts is None:
                 info["grad_norms"] = norm_paths(trainer)
-            # CommDebugMode's module tracker loses its place when a block calls its attention
-            # twice in one forward (parallel.tp_batch_chunks): an IndexError in its hook.
-            if trainer.dims.tp > 1 and trainer.stepper.parts is None and trainer.cfg.parallel.tp_batch_chunks == 1:
+            if trainer.dims.tp > 1 and trainer.stepper.parts is None:
                 info["update_collectives"] = update_collectives(trainer)
         trainer.train()
         info["tied_after_training"] = _tied(trainer.gpt)

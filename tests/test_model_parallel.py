@@ -51,9 +51,6 @@ SINUS = ["model.position=sinusoidal", "model.norm=rmsnorm", "train.eps=1e-5"]
 MODERN = ["model.position=rope", "model.qk_norm=true", "model.mlp=relu2", "model.logit_softcap=2",
           "model.attn_mask=doc", "model.eot_id=5", "model.attn_window=20", "model.value_embeds=1",
           "model.skip_connections=true", "model.vocab_size=64"]
-# The modern block without document masks (parallel.tp_batch_chunks does not split them):
-# its value embedding is per row, so chunking the batch must chunk it too.
-MODERN_NODOC = [o for o in MODERN if not o.startswith(("model.attn_mask", "model.eot_id", "model.attn_window"))]
 SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 
 
@@ -89,7 +86,6 @@ def reference(root, tiny_data) -> dict:
     for variant, extra in (("gpt2", ["train.micro_batch_size=16"]), ("llama", ["train.micro_batch_size=16", *LLAMA]),
                            ("sinus", ["train.micro_batch_size=16", *SINUS]),
                            ("modern", ["train.micro_batch_size=16", *MODERN]),
-                           ("modern_nodoc", ["train.micro_batch_size=16", *MODERN_NODOC]),
                            # validation takes eval_batches micro-batches: the same micro-batch size as the runs
                            ("data", with_data(tiny_data))):
         train_here(job(root, f"ref_{variant}", *extra)["overrides"])
@@ -107,10 +103,6 @@ def two(root, reference, tiny_data) -> dict:
             job(root, "tp2_sp_llama", "parallel.tp=2", *LLAMA),
             job(root, "tp2_sp_sinus", "parallel.tp=2", *SINUS),
             job(root, "tp2_sp_modern", "parallel.tp=2", *MODERN),
-            # each block's micro-batch of 4 as 2 interleaved chunks (and one that 3 does not divide: whole)
-            job(root, "tp2_sp_chunks2", "parallel.tp=2", "parallel.tp_batch_chunks=2"),
-            job(root, "tp2_sp_chunks2_modern", "parallel.tp=2", "parallel.tp_batch_chunks=2", *MODERN_NODOC),
-            job(root, "tp2_sp_chunks3", "parallel.tp=2", "parallel.tp_batch_chunks=3"),
             job(root, "pp2_1f1b_llama", "parallel.pp=2", *LLAMA)]
     jobs += [job(root, f"pp2_{s}", "parallel.pp=2", f"parallel.pp_schedule={s}") for s in SCHEDULES]
     return run_worker(root, 2, jobs)
@@ -145,14 +137,6 @@ def eight(root, reference) -> dict:
 def test_tp2_matches_one_process(root, two, reference, name, variant):
     assert_matches(root / name, reference[variant], steps())
     assert all(not r["init_mismatched"] for r in two[name]), "TP shards must hold slices of the same init"
-
-
-@pytest.mark.parametrize("name,variant", [("tp2_sp_chunks2", "gpt2"), ("tp2_sp_chunks2_modern", "modern_nodoc"),
-                                          ("tp2_sp_chunks3", "gpt2")])
-def test_tp2_with_batch_chunks_matches_one_process(root, two, reference, name, variant):
-    """parallel.tp_batch_chunks reorders the work (chunk by chunk, sub-layer by sub-layer), not
-    the math: the same losses and gradient norms as one process."""
-    assert_matches(root / name, reference[variant], steps())
 
 
 def test_tp4_matches_one_process(root, four, reference):
@@ -300,10 +284,6 @@ def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
     (["parallel.tp=2", "parallel.async_tp=true", "parallel.sequence_parallel=false"],
      "parallel.sequence_parallel=true (got false)"),
     (["parallel.tp=2", "parallel.async_tp=true", "train.compile=false"], "train.compile not false"),
-    (["parallel.tp=2", "parallel.tp_batch_chunks=0"], "parallel.tp_batch_chunks=0 must be at least 1"),
-    (["parallel.tp_batch_chunks=2"], "it needs parallel.tp > 1 (got 1)"),
-    (["parallel.tp=2", "parallel.tp_batch_chunks=2", "model.attn_mask=doc", "model.eot_id=5"],
-     "does not split document masks"),
 ])
 def test_bad_model_parallel_config(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -204,17 +204,8 @@ class Block(nn.Module):
 
     def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
                 ve=None):
-        x = self.attn_residual(x, rope, cache, start_pos, attn_mask, causal, ve)
-        return self.mlp_residual(x)
-
-    # The two residual sub-layers, also called one batch chunk at a time under TP
-    # (distlm.parallel.tp.chunk_batches).
-    def attn_residual(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
-                      ve=None):
         # attn takes exactly these 7 positional inputs (the TP plan lays out the first).
-        return x + self.attn(self.attn_norm(x), rope, cache, start_pos, attn_mask, causal, ve)
-
-    def mlp_residual(self, x):
+        x = x + self.attn(self.attn_norm(x), rope, cache, start_pos, attn_mask, causal, ve)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -66,10 +66,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parts = build_pipeline(model, dims, pcfg, cfg.model)
         model = parts.model
     if dims.tp > 1:
-        from distlm.parallel.tp import apply_tp, chunk_batches, enable_async_tp
+        from distlm.parallel.tp import apply_tp, enable_async_tp
         apply_tp(model, dims.mesh["tp"], pcfg)
-        if pcfg.tp_batch_chunks > 1:
-            chunk_batches(model, pcfg.tp_batch_chunks)
         if pcfg.async_tp:
             enable_async_tp(dims.mesh["tp"])
     if pcfg.activation_checkpoint != "none":

@@ -20,8 +20,6 @@ U-net skips are replicated, and their inputs declared sharded (see the plan).
 """
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -119,33 +117,6 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
         block.attn.fused_qkv = False
     replicate_rest(model, tp_mesh)
     return model
-
-
-def chunk_batches(model: nn.Module, n: int) -> None:
-    """Run every block on its micro-batch as ``n`` chunks of rows, interleaved sub-layer by
-    sub-layer: the attention of chunk 1, of chunk 2, ..., then the MLP of each.
-
-    Under TP each sub-layer starts with an all-gather and ends with a reduce-scatter that
-    its matmuls depend on, so within one chunk nothing can run beside them (the profile of
-    gpt2-1.5b at micro-batch 32 on 2 x H100: 205 ms a step of collectives, none overlapped).
-    The chunks are independent, so in the block's compiled graph one chunk's collectives can
-    run while another chunk multiplies, and the same holds in the backward. Every row is
-    computed as before (the same math; the TP parity tests run with chunks). A chunked block
-    keeps its module and parameter names: only its forward is replaced, on the instance.
-    Batches the chunks do not divide, and generation with a KV cache, run whole."""
-
-    def chunked(block, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
-                ve=None):
-        if cache is not None or x.shape[0] % n:
-            return type(block).forward(block, x, rope, cache, start_pos, attn_mask, causal, ve)
-        xs = x.chunk(n)
-        # value embeddings are per row; the causal (or windowed) mask is shared by every row
-        ves = ve.chunk(n) if ve is not None else (None,) * n
-        xs = [block.attn_residual(xc, rope, None, start_pos, attn_mask, causal, vc) for xc, vc in zip(xs, ves)]
-        return torch.cat([block.mlp_residual(xc) for xc in xs])
-
-    for block in model.blocks.values():
-        block.forward = types.MethodType(chunked, block)
 
 
 class RowwiseBiasAfterReduce(RowwiseParallel):
