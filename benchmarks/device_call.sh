@@ -28,7 +28,11 @@ leftovers() {
 
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/machine.txt" 2>&1
+  # The device's copy of .git is not the session's (its commit line stayed 8bc2a17 through the twelfth
+  # session): the sources' fingerprint is what identifies the code that ran. The same command on the
+  # CPU box, at a commit, gives the same value.
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null) (may be stale), sources $(find distlm -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
+  } > "$R/machine.txt" 2>&1
 head -3 "$R/machine.txt"
 
 # The speedrun corpus laid out and prepared under $R/sr, in the background (~10 s); `wait` before

@@ -33,7 +33,11 @@ OUT=${OUT:-/tmp/out}; R=/tmp/tp-speed${TAG:+-$TAG}; OLD=${OLD:-carry/old}; BUDGE
 mkdir -p "$OUT" "$R"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/machine.txt" 2>&1
+  # The device's copy of .git is not the session's (its commit line stayed 8bc2a17 through the twelfth
+  # session): the sources' fingerprint is what identifies the code that ran. The same command on the
+  # CPU box, at a commit, gives the same value.
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null) (may be stale), sources $(find distlm -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
+  } > "$R/machine.txt" 2>&1
 head -4 "$R/machine.txt"
 M=(--config gpt2-1.5b model.n_head=20 model.vocab_size=50257 model.loss_chunk=0 data.source=synthetic
    train.on_nan=off train.compile=true train.compile_scope=block train.global_batch_size=64)
