@@ -190,13 +190,13 @@ def register_symm_mem_group(group_name: str) -> None:
     """Make inductor's async-TP pass rewrite this group's collectives.
 
     The pass fuses a group's all-gather/reduce-scatter with their matmuls only where
-    ``is_symm_mem_enabled_for_group`` says yes, and in torch 2.10 to 2.13 that holds only after
-    ``enable_symm_mem_for_group``, which the same versions mark deprecated ("no need to call
-    this function anymore"). Taking the deprecation at its word, distlm skipped the call from
-    c4d1e45 on, and the pass silently fused nothing: the async-TP figures of the ninth to the
-    eleventh session ran plain TP (pytorch/pytorch#193027). So the call is made wherever the check does not
-    already pass, with its FutureWarning silenced; a torch whose check no longer needs it
-    returns before the call."""
+    ``is_symm_mem_enabled_for_group`` says yes, and in torch 2.11 (the GPU image) and 2.13 (the
+    CPU box) that holds only after ``enable_symm_mem_for_group``, which the same versions mark
+    deprecated ("no need to call this function anymore"). Taking the deprecation at its word,
+    distlm skipped the call from c4d1e45 on, and the pass silently fused nothing: the async-TP
+    figures of the ninth to the eleventh session ran plain TP (pytorch/pytorch#193027). So the
+    call is made wherever the check does not already pass, with its FutureWarning silenced; a
+    torch whose check no longer needs it returns before the call."""
     import warnings
 
     import torch.distributed._symmetric_memory as symm_mem
