@@ -109,3 +109,160 @@ def test_profile_counts_triton_kernels_named_after_collectives_as_compute():
     assert categorize("c10d::allreduce_") == "communication"
     assert categorize("Memcpy PtoP (Device -> Device)") == "communication"  # async TP's peer copies
     assert categorize("Memcpy DtoD (Device -> Device)") == "copies/casts/fills"
+
+
+# --- the benchmark suites (benchmarks/run.py) --------------------------------------------------
+# Every suite's commands are planned here as `--dry-run` prints them, and each distlm command is
+# loaded as distlm would load it: an option renamed, a preset changed or a layout that does not
+# match its process count fails here, not on a GPU machine.
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import run as bench_run  # noqa: E402  (benchmarks/run.py)
+
+SUITE_OPTIONS = {  # every suite, and the options that add steps
+    "throughput": [["--gpus", "1"], ["--gpus", "4", "--layout", "fsdp4", "--config", "gpt2-1.5b", "--variants",
+                                     "m16=train.micro_batch_size=16 model.n_head=20", "--memory-cap-gib", "79",
+                                     "--profile", "--ceilings", "--before", "carry/old", "--loss-curves", "200"]],
+    "scaling": [["--gpus", "4", "--axis", "ddp", "--independent", "--horovod"], ["--gpus", "4", "--axis", "fsdp"],
+                ["--gpus", "2", "--axis", "tp", "--config", "gpt2-1.5b", "--set", "model.n_head=20",
+                 "train.micro_batch_size=8"],
+                ["--gpus", "2", "--axis", "pp", "--config", "gpt2-355m", "--set", "train.global_batch_size=32",
+                 "--pp-sweep", "1,2,4,8"], ["--gpus", "4", "--classify"]],
+    "time-to-loss": [["--runs", "baseline speedrun speedrun-docmask baseline@ddp4 speedrun-b64s300@ddp4 "
+                      "speedrun-b64s300@ddp4+warm speedrun-b64s450@fsdp4", "--nanogpt", "carry/nanogpt"]],
+    "layouts": [["--gpus", "2", "--layouts", "ddp2,fsdp2,pp2,tp2", "--micro", "8,16,32", "--async-tp", "--plan",
+                 "--nccl-sizes", "--host-overhead", "--profile"],
+                ["--gpus", "4"], ["--gpus", "2", "--layouts", "tp2", "--micro", "32", "--inductor",
+                                  "aten_distributed_optimizations.enable_overlap_scheduling=true"]],
+    "prepare": [["--workers", "1,2", "--size-mb", "64"]],
+    "multi-node": [["--gpus", "4"], ["--gpus", "2", "--emulate", "disable", "--compile"]],
+}
+
+
+def dry_run(capsys, suite: str, options: list[str]) -> list[list[str]]:
+    """The command lines a suite prints under --dry-run, split into words."""
+    assert bench_run.main([suite, "--dry-run", *options]) == 0
+    lines = [line.rstrip(" &") for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    return [shlex.split(line) for line in lines if line]
+
+
+def distlm_commands(words: list[str]):
+    """(verb, processes, config, overrides) of a distlm command line, else None."""
+    if "distlm" in words and words[words.index("distlm") - 1] == "-m":
+        at = words.index("distlm") + 1
+    elif any(w.endswith("inductor_knobs.py") for w in words):
+        at = next(i for i, w in enumerate(words) if w.endswith("inductor_knobs.py")) + 1
+    else:
+        return None
+    procs = 1
+    for w in words[:at]:
+        if w.startswith("--nproc_per_node="):
+            procs = int(w.split("=")[1])
+    if "--nproc_per_node" in words[:at]:
+        procs = int(words[words.index("--nproc_per_node") + 1]) * int(words[words.index("--nnodes") + 1])
+    rest = words[at:]
+    config = rest[rest.index("--config") + 1] if "--config" in rest else None
+    overrides = [w for w in rest[1:] if re.match(r"^[a-z_]+\.[a-z_0-9.]+=", w)]
+    return rest[0], procs, config, overrides
+
+
+@pytest.mark.parametrize("suite", sorted(SUITE_OPTIONS))
+def test_every_suite_plans_commands_that_distlm_accepts(suite, capsys):
+    from distlm.config import load_config
+    checked = 0
+    for options in SUITE_OPTIONS[suite]:
+        lines = dry_run(capsys, suite, options)
+        assert lines, f"{suite} {options}: no command"
+        for words in lines:
+            cmd = distlm_commands(words)
+            if cmd is None or cmd[0] not in ("train", "bench") or cmd[2] is None:
+                continue
+            verb, procs, config, overrides = cmd
+            cfg = load_config(config, [o for o in overrides if not o.startswith(("train.resume=", "data.dir="))])
+            p = cfg.parallel
+            if "--scaling" not in words and "parallel.engine=horovod" not in overrides:
+                assert p.dp_replicate * p.dp_shard * p.tp * p.pp == procs, (suite, words)
+            checked += 1
+    if suite != "prepare":
+        assert checked, f"{suite}: no distlm command was checked"
+
+
+def test_time_to_loss_splits_the_global_batch_over_the_gpus(capsys):
+    lines = dry_run(capsys, "time-to-loss", ["--runs", "speedrun-b64s300@ddp4 speedrun@fsdp2"])
+    cmds = [c for c in map(distlm_commands, lines) if c and c[0] == "train"]
+    ddp, fsdp = (load_config_of(c) for c in cmds)
+    assert (ddp.parallel.dp_replicate, ddp.train.global_batch_size, ddp.train.micro_batch_size) == (4, 64, 16)
+    assert (fsdp.parallel.dp_shard, fsdp.train.micro_batch_size, fsdp.train.compile_scope) == (2, 16, "block")
+
+
+def load_config_of(cmd):
+    from distlm.config import load_config
+    return load_config(cmd[2], [o for o in cmd[3] if not o.startswith("data.dir=")])
+
+
+def test_bad_suite_options_are_one_line_errors(capsys):
+    assert bench_run.main(["nonesuch"]) == 2
+    assert "unknown suite 'nonesuch'" in capsys.readouterr().err
+    assert bench_run.main(["layouts", "--dry-run", "--gpus", "2", "--layouts", "tp2_fsdp2"]) == 2
+    assert "layout tp2_fsdp2 needs 4 GPUs, --gpus is 2" in capsys.readouterr().err
+    assert bench_run.main(["time-to-loss", "--dry-run", "--runs", "speedrun-nosuch"]) == 2
+    assert "run 'speedrun-nosuch'" in capsys.readouterr().err
+
+
+def test_prepare_suite_says_in_one_line_when_its_module_is_absent(tmp_path, capsys, monkeypatch):
+    from suites import prepare
+    monkeypatch.setattr(prepare, "available", lambda: False)
+    assert bench_run.main(["prepare", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "distlm.bench.prepare_speed is not in this checkout" in out[0]
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_sources_fingerprint_is_the_shell_pipelines():
+    shell = subprocess.run("find distlm -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12", shell=True,
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert bench_run.sources_fingerprint() == shell
+
+
+def test_a_cpu_run_records_the_result_with_its_provenance(tmp_path):
+    """One real step (a tiny one-process bench on the CPU) through the runner, as on a GPU machine."""
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "throughput", "--cpu", "--out", str(out),
+                           "--variants", "tiny=train.micro_batch_size=4 train.global_batch_size=8", "--warmup", "1",
+                           "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert record["suite"] == "throughput" and record["step"] == "tiny" and record["rc"] == 0
+    assert record["card"].startswith("CPU") or "x" in record["card"]
+    import torch
+    assert record["torch"] == torch.__version__ and record["sources"] == bench_run.sources_fingerprint()
+    assert record["date"].startswith("20") and "distlm bench --config gpt2-124m-1024" in record["command"]
+    assert "train.device=cpu" in record["command"] and record["result"]["tokens_per_s"] > 0
+    folder = Path(record["folder"])
+    assert (folder / "command.txt").read_text().strip() == record["command"]
+    assert (folder / "log.txt").is_file()
+
+
+def test_time_to_loss_report_reads_the_suites_run_folders(tmp_path):
+    """Runs are timed from the launch time the runner wrote; the folder's time stamp is not the name."""
+    for name, losses in (("baseline", (3.0, 2.5)), ("speedrun", (2.6, 2.2))):
+        run = tmp_path / f"20261127T120000Z-{name}-run"
+        run.mkdir()
+        (run / "metrics.csv").write_text("step,wall_time,tokens,loss,val_loss,tokens_per_s,mfu\n"
+                                         f"10,1010,100,4,,1000,0.3\n20,1020,200,3,{losses[0]},1000,0.3\n"
+                                         f"30,1030,300,2,{losses[1]},1000,0.3\n")
+        (tmp_path / f"{name}.txt").write_text("1000.0\n")
+    specs = [f"{tmp_path}/20261127T120000Z-{n}-run=@{tmp_path}/{n}.txt" for n in ("baseline", "speedrun")]
+    subprocess.run([sys.executable, "benchmarks/tools/speedrun_report.py", str(tmp_path / "r"), *specs], cwd=ROOT,
+                   check=True, capture_output=True)
+    table = {r["run"]: r for r in json.loads((tmp_path / "r" / "speedrun-table.json").read_text())}
+    assert table["baseline"]["target"] == 2.5 and table["baseline"]["s_to_target"] == 30.0
+    assert table["speedrun"]["s_to_target"] == 30.0 and table["speedrun"]["tokens_to_target"] == 300

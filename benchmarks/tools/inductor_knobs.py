@@ -1,10 +1,10 @@
 """`distlm` with some of inductor's process-wide settings changed, for experiments only:
 
-    INDUCTOR="reorder_for_compute_comm_overlap=true" torchrun ... benchmarks/inductor_knobs.py bench ...
+    INDUCTOR="reorder_for_compute_comm_overlap=true" torchrun ... benchmarks/tools/inductor_knobs.py bench ...
 
 INDUCTOR holds comma-separated KEY=VALUE pairs (true/false, integers, or strings); each KEY must
 already exist in torch._inductor.config, so a typo fails at once. A setting that pays becomes a
-distlm option; this wrapper is how it is measured first (issue 19: overlapping TP's collectives).
+distlm option; this wrapper is how it is measured first.
 """
 import os
 import sys

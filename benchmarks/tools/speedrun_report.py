@@ -1,10 +1,11 @@
-"""Time to quality, read from the runs' metrics.csv files (issue 16).
+"""Time to quality, read from the runs' metrics.csv files.
 
-    python benchmarks/speedrun_report.py OUT_DIR RUN_NAME[=LAUNCH_UNIX_TIME] ...
+    python benchmarks/tools/speedrun_report.py OUT_DIR RUN_DIR=LAUNCH_UNIX_TIME ...
+    python benchmarks/tools/speedrun_report.py OUT_DIR RUN_DIR=@FILE ...   (FILE holds the launch time)
 
 Each run's validation rows are timed from its own process start (the launch time the
-benchmark script recorded before starting the process, so imports, data checks and
-compilation all count). The target is the final validation loss of the run named
+time-to-loss suite recorded before starting the process, so imports, data checks and
+compilation all count). A run folder named <UTC time>-NAME-run (the suite's) is reported as NAME. The target is the final validation loss of the run named
 "baseline" or "baseline@LAYOUT" (else the first run); every other run is timed to its first validation at or below it. Writes
 OUT_DIR/speedrun-table.md and the two plots (loss against wall time, against tokens).
 
@@ -15,9 +16,16 @@ On 4 GPUs the start-up is as long as the recipe's training, so the two speed-ups
 from __future__ import annotations
 
 import csv
+import json
 import os
+import re
 import sys
 from pathlib import Path
+
+
+def run_name(run_dir: Path) -> str:
+    m = re.fullmatch(r"\d{8}T\d{6}Z-(.+)-run", run_dir.name)
+    return m.group(1) if m else run_dir.name
 
 
 def read_run(run_dir: Path, launch: float) -> dict:
@@ -32,7 +40,7 @@ def read_run(run_dir: Path, launch: float) -> dict:
     # The steady state: the median of the logged windows after the first (which holds compilation).
     steady = sorted(train[1:] or train)
     steady_mfu = sorted(mfu[1:] or mfu)
-    return {"name": run_dir.name, "val": val, "first_log_s": first, "tok_s": steady[len(steady) // 2] if steady else None,
+    return {"name": run_name(run_dir), "val": val, "first_log_s": first, "tok_s": steady[len(steady) // 2] if steady else None,
             "mfu": steady_mfu[len(steady_mfu) // 2] if steady_mfu else None}
 
 
@@ -53,12 +61,17 @@ def main(argv: list[str]) -> int:
     runs = []
     for spec in argv[1:]:
         path, _, launch = spec.partition("=")
+        if launch.startswith("@"):
+            launch = Path(launch[1:]).read_text().strip()
         if not (Path(path) / "metrics.csv").is_file():
             print(f"{path}: no metrics.csv (the run failed; see its log)")
             continue
         runs.append(read_run(Path(path), float(launch)))
-    base = next((r for r in runs if r["name"].split("@")[0] == "baseline"), runs[0])  # baseline@ddp4 too
-    # TARGET (env): a loss measured in another call (the baseline's), for runs without one here.
+    if not runs:
+        print("no run finished: nothing to report")
+        return 1
+    base = next((r for r in runs if re.split("@|-at-", r["name"])[0] == "baseline"), runs[0])  # baseline@ddp4 too
+    # TARGET (env): a loss measured elsewhere (the baseline's), for a set of runs without a baseline.
     target = float(os.environ["TARGET"]) if os.environ.get("TARGET") else base["val"][-1][2]
     what = "given in TARGET" if os.environ.get("TARGET") else f"the final validation loss of {base['name']}"
     lines = [f"Target: {target:.4f}, {what}, over the whole val split.", "",
@@ -68,9 +81,13 @@ def main(argv: list[str]) -> int:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     base_s = base["val"][-1][0]
     base_after = base_s - base["first_log_s"] if base["first_log_s"] is not None else None
+    table = []
     for r in runs:
         hit = next(((t, tok) for t, tok, v, _ in r["val"] if v <= target), None)
         t_hit, tok_hit = hit if hit else (None, None)
+        table.append({"run": r["name"], "target": target, "s_to_target": t_hit, "tokens_to_target": tok_hit,
+                      "final_val_loss": r["val"][-1][2], "final_at_s": r["val"][-1][0], "steady_tok_s": r["tok_s"],
+                      "mfu": r["mfu"], "startup_s": r["first_log_s"]})
         final_t, _, final_v, _ = r["val"][-1]
         tok_s = "n/a" if r["tok_s"] is None else f"{r['tok_s']:,.0f}"
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
@@ -80,6 +97,7 @@ def main(argv: list[str]) -> int:
                      + _split(r["first_log_s"], t_hit, base_after) + " |")
     text = "\n".join(lines) + "\n"
     (out / "speedrun-table.md").write_text(text)
+    (out / "speedrun-table.json").write_text(json.dumps(table, indent=1) + "\n")
     print(text)
     import matplotlib
     matplotlib.use("Agg")

@@ -1,6 +1,6 @@
-"""The host's cost of one tensor-parallel block call, without the GPU or the network (issue 19).
+"""The host's cost of one tensor-parallel block call, without the GPU or the network.
 
-    python benchmarks/tp_host_overhead.py [--layers 24] [--compile] [--scope block|model] [--reps 20]
+    python benchmarks/tools/tp_host_overhead.py [--layers 24] [--compile] [--scope block|model] [--reps 20]
 
 On 2 x H100, TP2 of gpt2-1.5b at micro-batch 8 left the GPU idle 42% of its step: each block
 call's Python (DTensor wrapping and unwrapping, redistributions, the compiled graph's runtime

@@ -1,6 +1,6 @@
-"""How fast NCCL moves the message sizes tensor parallelism sends (issue 19).
+"""How fast NCCL moves the message sizes tensor parallelism sends.
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/nccl_sizes.py [--json FILE]
+    torchrun --standalone --nproc_per_node 2 benchmarks/tools/nccl_sizes.py [--json FILE]
 
 Times all-gather, reduce-scatter and all-reduce of bf16 and fp32 tensors from 1 MB to 256 MB
 (median of 20 runs, CUDA events, after 5 warm-up runs) and prints the bus bandwidth in NCCL's
