@@ -14,7 +14,7 @@ innermost, so with G GPUs per node an axis whose group spans more than G consecu
 crosses nodes, and its collectives run at the inter-node bandwidth (see ``crossing_axes``).
 The ranking uses a simple time model (compute at a fixed fraction of peak, the pipeline
 bubble, the optimizer step, communication not hidden by compute, and TP's per-collective
-costs; the constants below, fitted to benchmarks/planner_measurements.json); it is a guide
+costs; the constants below, fitted to tests/fixtures/planner_measurements.json); it is a guide
 to what to measure first, not a promise. tests/test_planner.py checks the memory estimate
 against the tensors a real training step holds and the time estimate against the recorded
 throughputs.
@@ -31,7 +31,7 @@ from distlm.config import ModelConfig
 GIB = 2 ** 30   # memory, as torch.cuda.max_memory_allocated / 2**30 reports it (bench)
 GB = 1e9        # communication volume and link speed
 
-# The time model's constants, fitted to benchmarks/planner_measurements.json (gpt2-1.5b on
+# The time model's constants, fitted to tests/fixtures/planner_measurements.json (gpt2-1.5b on
 # 2 x H100, 2 x H200 and 4 x H200; gpt2-124m on two 1-GPU "nodes"); tests/test_planner.py
 # fails when an estimate drifts more than 20% from a recorded throughput (entries marked
 # "superseded" measured code that has since changed, and are not held to it), so change

@@ -3,7 +3,7 @@
 The measurement is PyTorch's own memory profiler over one real training step (forward,
 backward, AdamW) on CPU: parameters, gradients, optimizer state, activations and
 temporaries, at their peak together. The planner is asked about the same model in fp32.
-The time estimate is held to the throughputs recorded in benchmarks/planner_measurements.json,
+The time estimate is held to the throughputs recorded in tests/fixtures/planner_measurements.json,
 and the two-level network (GPUs per node) to the mesh's axis order.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_plan_rejects_a_split_the_model_cannot_take(capsys):
 
 # ---- the time model against recorded throughputs ------------------------------------
 
-MEASUREMENTS = Path(__file__).resolve().parent.parent / "benchmarks" / "planner_measurements.json"
+MEASUREMENTS = Path(__file__).resolve().parent / "fixtures" / "planner_measurements.json"
 RECORDS = json.loads(MEASUREMENTS.read_text())
 # Entries that measured code since changed (TP before its gradient fix) stay in the file for the
 # record but are not held to the time model, which describes the current code.
@@ -161,14 +161,14 @@ def test_terms_match_the_measured_phases(rec):
     """Where a record has bench's split of the step (forward/backward + optimizer, the JSON's
     phases), the optimizer term is held to the measured optimizer phase (20%), and the memory
     estimate to bench's peak (25%, as on CPU). The older FSDP2 H100 record's 22.3 ms came
-    without that split and from another call; OPTIMIZER_S_PER_PARAM follows the newer one."""
+    without that split and from another run; OPTIMIZER_S_PER_PARAM follows the newer one."""
     est = estimate_record(rec)
     assert est.time_ms["optimizer"] == pytest.approx(rec["measured_optimizer_ms"], rel=0.2), rec["name"]
     assert est.total_gb == pytest.approx(rec["measured_peak_gib"], rel=0.25), rec["name"]
 
 
 def test_tp2_waits_for_its_host_at_micro_batch_8_and_not_at_16():
-    """TP2's profile at micro-batch 8 (ninth session): 784 ms of compute kernels, 922 ms in NCCL
+    """TP2's profile at micro-batch 8 (2026-11-27, recorded in 8beaf32): 784 ms of compute kernels, 922 ms in NCCL
     kernels (which include the wait for the other rank) and 1,289 ms with no kernel running, of
     a 3,040 ms profiled step. The estimate must say the same: compute near the kernels' time, the
     GPU waiting on the host for about as long as it computes. At micro-batch 16 (half the block
@@ -323,11 +323,11 @@ def test_plan_command_rejects_bad_network_values(capsys):
 
 
 def test_tp2_at_micro_batch_32_is_its_compute_plus_its_collectives():
-    """TP2 at micro-batch 32 on the GPU's timeline (twelfth session, `bench --profile`): 778 ms of
+    """TP2 at micro-batch 32 on the GPU's timeline (2026-11-27 06:44 UTC, `bench --profile`): 778 ms of
     compute kernels, 205 ms of NCCL with no compute beside it, nothing hidden. The estimate must
     split the step the same way: compute near the kernels' time, TP's collectives added in full
     (not overlapped), and no host term (at 32 the host keeps up)."""
-    rec = record("gpt2-1.5b TP2 (SP + loss parallel), 2 x H100, micro 32, twelfth session call 2")
+    rec = record("gpt2-1.5b TP2 (SP + loss parallel), 2 x H100, micro 32, 2026-11-27 06:44")
     prof, est = rec["measured_timeline_ms"], estimate_record(rec).time_ms
     assert prof["comm_hidden"] < 0.01 * prof["comm_exposed"]
     assert est["compute"] == pytest.approx(prof["compute"], rel=0.2)

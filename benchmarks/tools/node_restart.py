@@ -40,9 +40,9 @@ def start(rank: int, args, train: list[str], log: Path) -> subprocess.Popen:
            "--node_rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{args.port}",
            "--rdzv-id", "elastic", "--max_restarts", "3", "--rdzv-conf", f"join_timeout=120,is_host={int(rank == 0)}",
            "-m", "distlm", "train", *train]
-    with open(log, "a") as f:  # its own session: the "node" is the launcher and its workers
+    with open(log, "a") as f:  # its own process group: the "node" is the launcher and its workers
         return subprocess.Popen(cmd, env=node_env(rank, args.nproc_per_node, args.device, args.emulate), stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, process_group=0)
 
 
 def main() -> int:
