@@ -167,7 +167,7 @@ def run_step(step: Step, ctx: Context, stamp: str, prov: dict, results: Path) ->
         for i, b in enumerate(background):
             blog = open(folder / f"log-background{i}.txt", "w")
             launched.append((subprocess.Popen(b, cwd=ROOT, env=env, stdout=blog, stderr=subprocess.STDOUT,
-                                              process_group=0), blog))
+                                              preexec_fn=os.setpgrp), blog))
         (folder / "launch_time.txt").write_text(f"{start:.3f}\n")
         try:
             rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -42,7 +42,7 @@ def start(rank: int, args, train: list[str], log: Path) -> subprocess.Popen:
            "-m", "distlm", "train", *train]
     with open(log, "a") as f:  # its own process group: the "node" is the launcher and its workers
         return subprocess.Popen(cmd, env=node_env(rank, args.nproc_per_node, args.device, args.emulate), stdout=f,
-                                stderr=subprocess.STDOUT, process_group=0)
+                                stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
 
 
 def main() -> int:
