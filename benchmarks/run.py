@@ -74,7 +74,10 @@ class Context:
     out: Path  # this suite's folder
 
     def distlm(self, args: list[str], nproc: int = 1) -> list[str]:
-        """`python -m distlm ARGS`, under torchrun when nproc > 1 (gloo on the CPU)."""
+        """`python -m distlm ARGS`, under torchrun when nproc > 1 (gloo on the CPU). A bench or
+        train without log.root keeps its run folder in the step's folder, not in ./runs."""
+        if args and args[0] in ("bench", "train") and not any(a.startswith("log.root=") for a in args):
+            args = [*args, "log.root={dir}"]
         if nproc <= 1:
             return [self.python, "-m", "distlm", *args]
         return [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
