@@ -201,6 +201,18 @@ def run_step(step: Step, ctx: Context, stamp: str, prov: dict, results: Path) ->
     return rc
 
 
+def start_clock_sampler(path: Path) -> subprocess.Popen | None:
+    """nvidia-smi sampling every second while the suite runs (read only). Four busy GPUs of one host
+    ran about 3% slower than one under the software power cap: this is how that was seen."""
+    query = "timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active"
+    try:
+        return subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv", "-lms", "1000"],
+                                stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+    except OSError:
+        print("--sample-clocks: nvidia-smi not found; no clock samples")
+        return None
+
+
 def parser_for(name: str, module) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"benchmarks/run.py {name}", description=module.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,6 +222,8 @@ def parser_for(name: str, module) -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="tiny models on the CPU: checks the plumbing, measures nothing")
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs distlm (default: this one)")
     p.add_argument("--timeout", type=int, default=None, help="seconds each step may run (default: no limit)")
+    p.add_argument("--sample-clocks", action="store_true",
+                   help="log nvidia-smi's clocks, power and throttle reasons every second to OUT/SUITE/<time>-clocks.csv")
     module.add_arguments(p)
     return p
 
@@ -244,11 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     ctx.out.mkdir(parents=True, exist_ok=True)
     prov = provenance(args.python)
     print(f"{name}: {prov['card']}, torch {prov['torch']}, commit {prov['commit']}, sources {prov['sources']}")
+    sampler = start_clock_sampler(ctx.out / f"{stamp}-clocks.csv") if args.sample_clocks else None
     failed = 0
     for step in steps:
         if args.timeout and step.timeout_s is None:
             step.timeout_s = args.timeout
         failed += run_step(step, ctx, stamp, prov, out / "results.jsonl") != 0
+    if sampler:
+        sampler.terminate()
+        sampler.wait()
     print(f"{name}: {len(steps) - failed} of {len(steps)} steps ended with exit 0; records in {out / 'results.jsonl'}")
     return 1 if failed else 0
 

@@ -266,3 +266,15 @@ def test_time_to_loss_report_reads_the_suites_run_folders(tmp_path):
     table = {r["run"]: r for r in json.loads((tmp_path / "r" / "speedrun-table.json").read_text())}
     assert table["baseline"]["target"] == 2.5 and table["baseline"]["s_to_target"] == 30.0
     assert table["speedrun"]["s_to_target"] == 30.0 and table["speedrun"]["tokens_to_target"] == 300
+
+
+def test_clock_sampling_without_nvidia_smi_says_so_and_runs_the_suite(tmp_path, capsys, monkeypatch):
+    """--sample-clocks starts nvidia-smi beside the steps; where there is none, one line says so."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi, and no git either: provenance copes
+    from suites import throughput
+    monkeypatch.setattr(throughput, "plan", lambda args, ctx: [bench_run.Step("echo", [sys.executable, "-c", "print(1)"])])
+    assert bench_run.main(["throughput", "--sample-clocks", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "--sample-clocks: nvidia-smi not found" in out
+    (record,) = [json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
+    assert record["rc"] == 0 and record["commit"] is None and record["sources"] == bench_run.sources_fingerprint()
