@@ -85,9 +85,9 @@ def _check_limits(num_samples: int, max_new_tokens: int, seed: Optional[int]) ->
     for flag, value, lo, hi in (("--num-samples", num_samples, 1, MAX_NUM_SAMPLES),
                                 ("--max-new-tokens", max_new_tokens, 1, MAX_NEW_TOKENS)):
         if not lo <= value <= hi:
-            raise ConfigError(f"{flag} {value}: must be between {lo} and {hi:,}")
+            raise ConfigError(f"{flag} must be between {lo} and {hi:,}, got {value}")
     if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"--seed {seed}: must be between 0 and {MAX_SEED} (a 64-bit seed)")
+        raise ConfigError(f"--seed must be between 0 and {MAX_SEED} (a 64-bit seed), got {seed}")
 
 
 def _read_prompts(path: str, out: Optional[str]) -> list[str]:
