@@ -17,7 +17,7 @@ from distlm.config import ConfigError
 # the device's memory when the checkpoint is loaded (distlm/model/load.py).
 MAX_NUM_SAMPLES = 1 << 12
 MAX_NEW_TOKENS = 1 << 20
-MAX_SEED = (1 << 63) - 1
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 
 
 def generate(
@@ -86,8 +86,8 @@ def _check_limits(num_samples: int, max_new_tokens: int, seed: Optional[int]) ->
                                 ("--max-new-tokens", max_new_tokens, 1, MAX_NEW_TOKENS)):
         if not lo <= value <= hi:
             raise ConfigError(f"{flag} must be between {lo} and {hi:,}, got {value}")
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"--seed must be between 0 and {MAX_SEED} (a 64-bit seed), got {seed}")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be between {MIN_SEED} and {MAX_SEED} (a 64-bit seed), got {seed}")
 
 
 def _read_prompts(path: str, out: Optional[str]) -> list[str]:
