@@ -94,7 +94,8 @@ def check_memory(cfg: Config, device: torch.device, dims, comm=None) -> None:
         have = float(host_available_bytes())
         if distributed:
             have = -float(comm.max(torch.tensor([-have], dtype=torch.float64))[0])
-        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # processes on this host: torchrun's LOCAL_WORLD_SIZE, horovodrun's HOROVOD_LOCAL_SIZE
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("HOROVOD_LOCAL_SIZE", "1")))
         where = "this machine's RAM" + (f", shared by its {per_host} processes," if per_host > 1 else "")
     est = memory_estimate(cfg, Device(device.type, have / GIB), dims, cfg.train.micro_batch_size)
     need = (est.total_gb * GIB + position_table_bytes(cfg.model)) * per_host
