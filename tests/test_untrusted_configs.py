@@ -184,16 +184,14 @@ def test_the_run_tokenizer_is_checked_against_its_fingerprint(bpe_run, tmp_path)
         load_run_tokenizer(ckpt, cfg)
 
 
-@pytest.mark.parametrize("meta_text, needle, malformed", [
-    (lambda m: json.dumps({k: v for k, v in m.items() if k != "name"}), "has no name", True),  # was a KeyError
-    (lambda m: "{not json", "not a readable tokenizer record", True),
-    (lambda m: json.dumps([1, 2]), "not a mapping", True),
-    (lambda m: json.dumps({**m, "vocab_size": "300"}), "vocab_size must be an integer", True),
-    (lambda m: json.dumps({**m, "fingerprint": 7}), "fingerprint must be a sha256", True),
-    # well-formed, naming a tokenizer that cannot exist: only loading it fails
-    (lambda m: json.dumps({**m, "name": "bpe:999999999"}), "bpe:999999999", False),
+@pytest.mark.parametrize("meta_text, needle", [
+    (lambda m: json.dumps({k: v for k, v in m.items() if k != "name"}), "has no name"),  # was a KeyError
+    (lambda m: "{not json", "not a readable tokenizer record"),
+    (lambda m: json.dumps([1, 2]), "not a mapping"),
+    (lambda m: json.dumps({**m, "vocab_size": "300"}), "vocab_size must be an integer"),
+    (lambda m: json.dumps({**m, "fingerprint": 7}), "fingerprint must be a sha256"),
 ])
-def test_a_broken_tokenizer_record_is_one_error(bpe_run, tmp_path, meta_text, needle, malformed):
+def test_a_broken_tokenizer_record_is_one_error(bpe_run, tmp_path, meta_text, needle):
     """generate and export load the tokenizer through load_run_tokenizer; eval compares the
     record (run_tokenizer_record) with the data's."""
     from distlm.model.load import load_run_tokenizer, run_tokenizer_record
@@ -201,10 +199,7 @@ def test_a_broken_tokenizer_record_is_one_error(bpe_run, tmp_path, meta_text, ne
     meta_file = run / "tokenizer" / "tokenizer.meta.json"
     meta_file.write_text(meta_text(json.loads(meta_file.read_text())))
     ckpt = run / "checkpoints" / "step_2"
-    readers = [lambda: load_run_tokenizer(ckpt, load_config(None, []))]
-    if malformed:
-        readers.append(lambda: run_tokenizer_record(ckpt))
-    for read in readers:
+    for read in (lambda: load_run_tokenizer(ckpt, load_config(None, [])), lambda: run_tokenizer_record(ckpt)):
         with pytest.raises(DataError) as e:
             read()
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
