@@ -401,6 +401,9 @@ def config_from_dict(data: dict, origin: str = "saved config") -> Config:
     training machine's. ``origin`` (the file) starts every error message."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: the config is not a mapping")
+    for section, values in data.items():
+        if not isinstance(values, dict):  # a saved section is never a preset's name, nor a file to read
+            raise ConfigError(f"{origin}: config section {section!r} must be a mapping, got {str(values)[:80]!r}")
     try:
         values = _Values()
         values.merge(data, origin)

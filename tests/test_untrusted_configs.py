@@ -49,12 +49,16 @@ def _saved(run: Path) -> tuple[Path, dict]:
     ("model", "n_layer", 100000, "model.n_layer=100000"),          # still allocating after 300 s
     ("model", "n_layer", "many", "model.n_layer"),
     ("model", "dropout", 1.5, "model.dropout"),
+    ("model", None, "gpt2-124m", "section 'model' must be a mapping"),  # was read as a preset (or any YAML file)
 ])
 def test_a_marker_config_is_validated_before_anything_is_built(run, section, key, value, needle):
     from distlm.model.load import saved_config
     folder, meta = _saved(run)
     assert saved_config(folder, meta) == config_from_dict(meta["config"])  # the real one passes
-    meta["config"][section][key] = value
+    if key is None:
+        meta["config"][section] = value
+    else:
+        meta["config"][section][key] = value
     with pytest.raises(ConfigError) as e:
         saved_config(folder, meta)
     assert str(e.value).startswith(str(folder / "distlm.json")) and needle in str(e.value), str(e.value)
