@@ -276,13 +276,14 @@ def read_tokenizer_record(path: Path) -> dict:
 
 def check_tokenizer_record(record, source) -> dict:
     """The fields a tokenizer record (a run's tokenizer.meta.json, a manifest's "tokenizer")
-    must hold, with their types: ``name``, ``vocab_size``, and ``fingerprint`` when present."""
+    must hold, with their types: ``name``, and ``vocab_size`` and ``fingerprint`` where present
+    (what distlm writes has all three; a record of the name alone still loads)."""
     if not isinstance(record, dict):
         raise DataError(f"{source}: the tokenizer record is not a mapping")
     name, size, fp = record.get("name"), record.get("vocab_size"), record.get("fingerprint")
     if not isinstance(name, str) or not name:
         raise DataError(f"{source}: the tokenizer record has no name (got {name!r})")
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= BPE_VOCAB_RANGE[1]:
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= BPE_VOCAB_RANGE[1]):
         raise DataError(f"{source}: tokenizer vocab_size must be an integer in 1..{BPE_VOCAB_RANGE[1]}, got {size!r}")
     if fp is not None and not (isinstance(fp, str) and len(fp) == 64 and all(c in "0123456789abcdef" for c in fp)):
         raise DataError(f"{source}: tokenizer fingerprint must be a sha256 in hex, got {str(fp)[:80]!r}")
@@ -300,7 +301,7 @@ def load_recorded_tokenizer(record, directory: Path | str, source) -> Tokenizer:
     if record.get("fingerprint") and tok.fingerprint() != record["fingerprint"]:
         raise DataError(f"{where}: fingerprint {tok.fingerprint()[:12]} is not the {record['fingerprint'][:12]} "
                         f"recorded in {source}: the tokenizer was changed after the run recorded it")
-    if tok.vocab_size != record["vocab_size"]:
+    if record.get("vocab_size") is not None and tok.vocab_size != record["vocab_size"]:
         raise DataError(f"{where}: {tok.vocab_size} tokens, but {source} records {record['vocab_size']}")
     return tok
 
