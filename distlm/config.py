@@ -165,6 +165,10 @@ class TrainConfig:
                                    "stages; 0 = off (distlm/train/seq_schedule.py)")
     seq_warmup_start: int = doc(128, "sequence-length warm-up: the first stage's row length, a power of two "
                                      "below model.block_size")
+    memory_check: bool = doc(True, "refuse to start, before the run folder is made or anything allocated, when "
+                                   "the planner's memory estimate of this run is more than the device has free "
+                                   "(host RAM on CPU, the GPU's free memory on CUDA); false = start anyway, for "
+                                   "when you know the estimate is wrong for your machine")
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,8 @@ def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        except OverflowError:  # int(float("1e400")): an infinity has no integer
+            raise ConfigError(f"{key}: {value!r} is out of range for an integer") from None
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected an integer{or_auto}, got {value!r}") from None
     elif typ is float:
@@ -388,14 +394,43 @@ def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-def config_from_dict(data: dict) -> Config:
-    """Rebuild a Config saved with a run or checkpoint."""
-    values = _Values()
-    values.merge(data, "saved config")
-    return values.build()
+def config_from_dict(data: dict, origin: str = "saved config") -> Config:
+    """Rebuild a Config saved with a run or checkpoint, checked as a command line's is: a
+    checkpoint's marker can be edited, and its config decides what gets allocated. Only the
+    paths it names (train.resume, task.init_from) are not checked, since they were the
+    training machine's. ``origin`` (the file) starts every error message."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: the config is not a mapping")
+    for section, values in data.items():
+        if not isinstance(values, dict):  # a saved section is never a preset's name, nor a file to read
+            raise ConfigError(f"{origin}: config section {section!r} must be a mapping, got {str(values)[:80]!r}")
+    try:
+        values = _Values()
+        values.merge(data, origin)
+        cfg = values.build()
+        validate_settings(cfg)
+    except ConfigError as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith(origin) else f"{origin}: {message}") from None
+    return cfg
 
 
 def validate(cfg: Config) -> None:
+    """Everything a run's config must satisfy, the paths it names included."""
+    validate_settings(cfg)
+    _validate_paths(cfg)
+
+
+def _validate_paths(cfg: Config) -> None:
+    t = cfg.train
+    if t.resume not in ("never", "auto") and not Path(t.resume).exists():
+        raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
+    if cfg.task.name == "classify" and cfg.task.init_from is not None and not Path(cfg.task.init_from).exists():
+        raise ConfigError(f"task.init_from: no such run or checkpoint: {cfg.task.init_from}")
+
+
+def validate_settings(cfg: Config) -> None:
+    """The values themselves and how they fit together, whatever machine reads them."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = {"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.d_model": m.d_model,
                 "model.d_ff": m.d_ff, "model.block_size": m.block_size, "train.max_steps": t.max_steps,
@@ -405,7 +440,7 @@ def validate(cfg: Config) -> None:
     for key, v in positive.items():
         if v is not None and v <= 0:  # None: auto, chosen positive at start-up
             raise ConfigError(f"{key} must be positive, got {v}")
-    _validate_numbers(cfg)
+    _validate_numbers(cfg)  # before anything below computes with a value
     if t.embed_lr and t.optimizer != "muon":
         raise ConfigError(f"train.embed_lr={t.embed_lr} applies to train.optimizer=muon only (got {t.optimizer}); "
                           f"with adamw every table trains at train.lr")
@@ -457,8 +492,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.mix trains on its own folders: leave data.dir unset and data.source=tokens")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
-    if t.resume not in ("never", "auto") and not Path(t.resume).exists():
-        raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
     _validate_seq_warmup(cfg)
     _validate_task(cfg)
 
@@ -505,6 +538,24 @@ _RANGES = {
 }
 
 
+# Upper bounds far past any model trained today (the widest published have d_model 18,432,
+# the deepest dense ones about 1,000 blocks, contexts of a million tokens): a value above
+# one is a typo or a hostile file, and refusing it here, with its name, beats an estimate
+# of petabytes or a constructor that runs for hours building blocks on the meta device.
+# train.memory_check=false does not lift them; what fits under them is for the memory
+# check (distlm/planner.py) to judge against the machine.
+_UPPER = {
+    "model.n_layer": 1 << 12, "model.d_model": 1 << 16, "model.d_ff": 1 << 18, "model.n_head": 1 << 16,
+    "model.block_size": 1 << 24, "model.vocab_size": 1 << 24, "model.vocab_pad_multiple": 1 << 16,
+    "model.value_embeds": 1 << 12, "model.attn_window": 1 << 24, "model.loss_chunk": 1 << 30,
+    "train.global_batch_size": 1 << 24, "train.micro_batch_size": 1 << 24, "train.seq_warmup_start": 1 << 24,
+    "train.muon_ns_steps": 1 << 10, "parallel.pp_microbatches": 1 << 20, "parallel.pp_virtual_stages": 1 << 10,
+    "parallel.ddp_bucket_mb": 1 << 20, "log.samples": 1 << 10, "model.norm_eps": 1.0,
+}
+# Every other integer must fit the int64 that torch and numpy hold it in (a seed, a step count).
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 def _validate_numbers(cfg: Config) -> None:
     for section in SECTIONS:
         sub = getattr(cfg, section)
@@ -512,6 +563,13 @@ def _validate_numbers(cfg: Config) -> None:
             v = getattr(sub, f.name)
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{section}.{f.name} must be a finite number, got {v}")
+            if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
+                raise ConfigError(f"{section}.{f.name}={v} is out of range: integers must fit in 64 bits")
+    for key, most in _UPPER.items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if v is not None and v > most:
+            raise ConfigError(f"{key}={v} is above {most:,}, the most distlm accepts for it")
     for key, (ok, what) in _RANGES.items():
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
@@ -598,8 +656,6 @@ def _validate_task(cfg: Config) -> None:
     if extras:
         raise ConfigError(f"task.name=classify does not support {', '.join(extras)}: the classifier's trunk runs "
                           f"plain blocks")
-    if task.init_from is not None and not Path(task.init_from).exists():
-        raise ConfigError(f"task.init_from: no such run or checkpoint: {task.init_from}")
 
 
 def token_id_extras(m: ModelConfig) -> list[str]:

@@ -10,6 +10,15 @@ from typing import Annotated, Literal, Optional
 
 from distlm.config import ConfigError
 
+# Limits past any real use, so that a typo is refused before anything is allocated: the
+# samples of one prompt are one batch (its KV cache and logits grow with it; 10^8 ran for
+# 78 s into a MemoryError), and a seed must fit the int64 a torch.Generator takes, seed + i
+# for the i-th prompt of --prompts-file included. What fits under them is checked against
+# the device's memory when the checkpoint is loaded (distlm/model/load.py).
+MAX_NUM_SAMPLES = 1 << 12
+MAX_NEW_TOKENS = 1 << 20
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
+
 
 def generate(
     *,
@@ -36,20 +45,23 @@ def generate(
     """
     from distlm.model.generate import SamplingConfig
     # Every argument is checked before the checkpoint is loaded: a typo costs no waiting.
+    _check_limits(num_samples, max_new_tokens, seed)
     sc = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
                         seed=seed)
-    if num_samples < 1:
-        raise ConfigError(f"--num-samples must be at least 1, got {num_samples}")
     modes = [flag for flag, on in (("--prompt", prompt is not None), ("--prompts-file", prompts_file is not None),
                                    ("--interactive", interactive)) if on]
     if len(modes) != 1:
         raise ConfigError("give one of --prompt TEXT, --prompts-file FILE --out F.jsonl, or --interactive"
                           + (f" (got {' and '.join(modes)})" if modes else ""))
     prompts = _read_prompts(prompts_file, out) if prompts_file is not None else None
+    if prompts is not None and seed is not None and seed + len(prompts) - 1 > MAX_SEED:
+        raise ConfigError(f"--seed {seed}: prompt i of --prompts-file samples with seed + i, and the last "
+                          f"({seed + len(prompts) - 1}) is above {MAX_SEED}")
 
     from distlm.model.load import load_run_tokenizer, load_trained
     from distlm.train.setup import resolve_device
-    loaded = load_trained(checkpoint, resolve_device(device), task="lm")
+    loaded = load_trained(checkpoint, resolve_device(device), task="lm", samples=num_samples,
+                          new_tokens=max_new_tokens)
     tok = load_run_tokenizer(loaded.folder, loaded.cfg)
     model = loaded.model
     if prompts is not None:
@@ -67,6 +79,15 @@ def generate(
             _print_samples(model, tok, sc, line, num_samples, stream=True)
     _print_samples(model, tok, sc, prompt, num_samples, stream=not no_stream)
     return 0
+
+
+def _check_limits(num_samples: int, max_new_tokens: int, seed: Optional[int]) -> None:
+    for flag, value, lo, hi in (("--num-samples", num_samples, 1, MAX_NUM_SAMPLES),
+                                ("--max-new-tokens", max_new_tokens, 1, MAX_NEW_TOKENS)):
+        if not lo <= value <= hi:
+            raise ConfigError(f"{flag} must be between {lo} and {hi:,}, got {value}")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be between {MIN_SEED} and {MAX_SEED} (a 64-bit seed), got {seed}")
 
 
 def _read_prompts(path: str, out: Optional[str]) -> list[str]:

@@ -37,6 +37,11 @@ from distlm.data.loader import (RankBatches, TokenBlocks, ValSet, check_batch, e
 from distlm.data.order import ORDER_V2, derived_seed, sample_blocks
 
 MAX_PERIOD = 1 << 16  # schedule slots: 65,536 int32+int64 pairs, under 1 MB, built in well under a second
+# A weight is normalised against the others, and a share below 1/MAX_PERIOD is refused
+# anyway: exponents past this are typos. Checked on the text, before Fraction, which would
+# build 1e99999999 exactly (a hundred-million-digit integer: it never finished).
+MAX_WEIGHT_EXPONENT = 30
+_WEIGHT = re.compile(r"\s*[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?(\d+))?(\s*/\s*\d+(\.\d*)?([eE][+-]?(\d+))?)?\s*")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
@@ -62,10 +67,7 @@ def parse_mix(text: str) -> list[MixEntry]:
             name, folder = "", body
         folder = folder.strip()
         name = name.strip() or Path(folder).name
-        try:
-            weight = Fraction(weight_text.strip())
-        except (ValueError, ZeroDivisionError):
-            raise DataError(f"data.mix entry {item!r}: weight {weight_text!r} is not a number") from None
+        weight = _parse_weight(item, weight_text)
         if weight <= 0:
             raise DataError(f"data.mix entry {item!r}: weight {weight_text!r} must be above 0")
         if not folder or not name:
@@ -79,6 +81,21 @@ def parse_mix(text: str) -> list[MixEntry]:
         paths.add(resolved)
         entries.append(MixEntry(name, Path(folder), weight))
     return entries
+
+
+def _parse_weight(item: str, text: str) -> Fraction:
+    """A positive decimal or fraction (0.7, 1e-3, 1/3), exactly; DataError naming the entry."""
+    form = _WEIGHT.fullmatch(text) if len(text) <= 64 else None
+    if form is None:
+        raise DataError(f"data.mix entry {item!r}: weight {text!r} is not a number (e.g. 0.7, 2, or 1/3)")
+    exponents = [int(e) for e in (form.group(4), form.group(8)) if e is not None]
+    if any(e > MAX_WEIGHT_EXPONENT for e in exponents):
+        raise DataError(f"data.mix entry {item!r}: weight {text.strip()!r} is out of range: exponents up to "
+                        f"{MAX_WEIGHT_EXPONENT} (weights only matter relative to each other)")
+    try:
+        return Fraction(text.strip().replace(" ", ""))
+    except (ValueError, ZeroDivisionError):
+        raise DataError(f"data.mix entry {item!r}: weight {text!r} is not a number (e.g. 0.7, 2, or 1/3)") from None
 
 
 class Schedule:

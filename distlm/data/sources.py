@@ -62,6 +62,8 @@ def resolve_inputs(inputs: list[str], exclude: Path | None = None) -> list[Sourc
             matches = sorted(glob.glob(os.path.expanduser(raw), recursive=True))
             if not matches:
                 raise DataError(f"{raw}: no files match this pattern")
+        elif path.is_symlink():
+            raise DataError(f"{raw}: a symbolic link to nothing readable (missing, or a loop)")
         else:
             raise DataError(f"{raw}: no such file or directory")
         for m in matches:
@@ -87,9 +89,19 @@ def _walk(folder: Path, skip: Path | None) -> list[Source]:
             continue
         if entry.is_dir(follow_symlinks=False):  # symlinked folders could loop
             out.extend(_walk(Path(entry.path), skip))
-        elif entry.is_file():
+        elif _is_file(entry):
             out.append(Source(entry.path, Path(entry.path), "file"))
     return out
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    """A regular file, through links; a link that loops (ELOOP) is an error naming it, not
+    a traceback, and one that leads nowhere is skipped like any other non-file."""
+    try:
+        return entry.is_file()
+    except OSError as e:
+        raise DataError(f"{entry.path}: {e.strerror} (a symbolic link that loops?); remove it or name "
+                        f"the files to read") from None
 
 
 def _is_hf_dataset(folder: Path) -> bool:

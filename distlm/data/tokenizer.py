@@ -256,6 +256,56 @@ def load_tokenizer(name: str, data_dir: Path | str | None = None) -> Tokenizer:
     return tok
 
 
+RECORD_MAX_BYTES = 1 << 20  # a tokenizer record is a few lines; anything bigger is not one
+
+
+def read_tokenizer_record(path: Path) -> dict:
+    """A run's ``tokenizer.meta.json``, checked: a one-line DataError naming the file for one
+    that is not a regular file, unreadable, not JSON, or not a tokenizer record."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        raise DataError(f"{path}: not a regular file; a run's tokenizer record is written by `distlm train`")
+    try:
+        if path.stat().st_size > RECORD_MAX_BYTES:
+            raise DataError(f"{path}: {path.stat().st_size:,} bytes, too large for a tokenizer record")
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{path}: not a readable tokenizer record ({type(e).__name__})") from None
+    return check_tokenizer_record(record, path)
+
+
+def check_tokenizer_record(record, source) -> dict:
+    """The fields a tokenizer record (a run's tokenizer.meta.json, a manifest's "tokenizer")
+    must hold, with their types: ``name``, and ``vocab_size`` and ``fingerprint`` where present
+    (what distlm writes has all three; a record of the name alone still loads)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{source}: the tokenizer record is not a mapping")
+    name, size, fp = record.get("name"), record.get("vocab_size"), record.get("fingerprint")
+    if not isinstance(name, str) or not name:
+        raise DataError(f"{source}: the tokenizer record has no name (got {name!r})")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= BPE_VOCAB_RANGE[1]):
+        raise DataError(f"{source}: tokenizer vocab_size must be an integer in 1..{BPE_VOCAB_RANGE[1]}, got {size!r}")
+    if fp is not None and not (isinstance(fp, str) and len(fp) == 64 and all(c in "0123456789abcdef" for c in fp)):
+        raise DataError(f"{source}: tokenizer fingerprint must be a sha256 in hex, got {str(fp)[:80]!r}")
+    return record
+
+
+def load_recorded_tokenizer(record, directory: Path | str, source) -> Tokenizer:
+    """The tokenizer a record names, from ``directory``, refused unless it is the one the
+    record describes: the same fingerprint (sha256 of what defines the ids) where the record
+    has one, and the same vocabulary size. Two ids swapped in tokenizer.json keep the size
+    but not the fingerprint, and would decode every sample wrong without a word."""
+    record = check_tokenizer_record(record, source)
+    tok = load_tokenizer(record["name"], directory)
+    where = Path(directory) / "tokenizer.json" if record["name"] != "gpt2" else GPT2_DIR
+    if record.get("fingerprint") and tok.fingerprint() != record["fingerprint"]:
+        raise DataError(f"{where}: fingerprint {tok.fingerprint()[:12]} is not the {record['fingerprint'][:12]} "
+                        f"recorded in {source}: the tokenizer was changed after the run recorded it")
+    if record.get("vocab_size") is not None and tok.vocab_size != record["vocab_size"]:
+        raise DataError(f"{where}: {tok.vocab_size} tokens, but {source} records {record['vocab_size']}")
+    return tok
+
+
 def split_for_encoding(text: str, size: int) -> Iterator[str]:
     """Cut ``text`` into pieces of about ``size`` chars that tokenize exactly as the whole.
 

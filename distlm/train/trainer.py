@@ -37,7 +37,7 @@ from distlm.train.runlock import RunLock, claim_run_name
 from distlm.train.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_at
 from distlm.train.seq_schedule import SeqSchedule
-from distlm.train.setup import autocast_dtype, build_model, compute_context, resolve_device
+from distlm.train.setup import autocast_dtype, build_model, check_memory, compute_context, resolve_device
 
 
 class Trainer:
@@ -66,6 +66,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        check_memory(cfg, self.device, self.dims, self.comm)  # before the run folder exists
         self.run_dir = Path(run_dir) if run_dir else self._run_dir(name_prefix)
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
         # A checkpoint of another architecture or data is refused here, before the model is
