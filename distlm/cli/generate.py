@@ -47,8 +47,10 @@ def generate(
                           + (f" (got {' and '.join(modes)})" if modes else ""))
     prompts = _read_prompts(prompts_file, out) if prompts_file is not None else None
 
+    from distlm.cli.verbs import check_device_flag
     from distlm.model.load import load_run_tokenizer, load_trained
     from distlm.train.setup import resolve_device
+    check_device_flag(device)
     loaded = load_trained(checkpoint, resolve_device(device), task="lm")
     tok = load_run_tokenizer(loaded.folder, loaded.cfg)
     model = loaded.model

@@ -21,7 +21,6 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import torch
 
@@ -285,25 +284,3 @@ def _umask() -> int:
     mask = os.umask(0)  # reading the umask means setting it: put it straight back
     os.umask(mask)
     return mask
-
-
-def export(
-    checkpoint: str, out: Annotated[str, "the folder to write"], /, *,
-    format: Annotated[Literal["hf"], "hf: a Hugging Face transformers folder"] = "hf",
-    dtype: Annotated[Literal["fp32", "bf16", "fp16"], "weight dtype"] = "fp32",
-    force: Annotated[bool, "replace OUT if it exists"] = False,
-) -> int:
-    """Write a checkpoint as a Hugging Face transformers folder, weights in one file.
-
-    Checkpoints are DCP folders (a file per rank); this is the way to one file:
-    OUT/model.safetensors (safetensors.torch.load_file gives the state dict, no distlm
-    needed), with config.json and the tokenizer, so transformers' from_pretrained loads OUT.
-    GPT2LMHeadModel for learned/sinusoidal positions + layernorm + gelu; for rope + rmsnorm,
-    LlamaForCausalLM (swiglu), Qwen3ForCausalLM (swiglu, qk_norm), ArceeForCausalLM (relu2)
-    or ApertusForCausalLM (relu2, qk_norm). Other combinations are refused, never exported
-    approximately.
-    """
-    s = export_hf(checkpoint, out, dtype=dtype, overwrite=force)
-    print(f"exported {s['checkpoint']} as {s['architecture']} ({s['dtype']}, tokenizer {s['tokenizer']}) "
-          f"to {s['out']}")
-    return 0
