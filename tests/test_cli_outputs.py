@@ -119,9 +119,11 @@ def test_demo_run_has_samples_txt(tmp_path, text_dir, monkeypatch, capsys):
                                              "progress": False})
     monkeypatch.setattr(prep, "prepare", small_corpus)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # what is checked is the file, not the text: a stand-in for 180 tokens of sampling
+    monkeypatch.setattr("distlm.model.generate.generate_text", lambda gpt, tok, prompt, sc: [f" (seed {sc.seed})"])
     assert demo(root=str(tmp_path / "runs"), data_root=str(tmp_path / "data"), max_steps=2) == 0
     (run,) = (tmp_path / "runs").iterdir()
     text = (run / "samples.txt").read_text()
     assert text.startswith("=== step 2 === ") and text.count("--- sample ") == 3
     for i, prompt in enumerate(("It was a dark and stormy night", "The king said", "Call me Ishmael.")):
-        assert f"--- sample {i} (seed {i}) ---\n{prompt}" in text
+        assert f"--- sample {i} (seed {i}) ---\n{prompt} (seed {i})\n" in text
