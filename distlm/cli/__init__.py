@@ -7,7 +7,7 @@ signature is its command line (signature.py builds the argparse parser from it).
     distlm eval --checkpoint RUN_OR_CKPT [--split val|train] [--json]   (a language model or a classifier)
     distlm predict --checkpoint RUN_OR_CKPT --input FILE [--out F.csv|F.jsonl]
     distlm generate --checkpoint RUN_OR_CKPT --prompt TEXT | --prompts-file F --out F.jsonl | --interactive
-    distlm plot RUN... [--out loss.png]
+    distlm plot RUN... [--out PNG]          (default: RUN/loss.png, or FIRST_RUN/compare.png)
     distlm bench [--config ...] [section.key=value ...] | --ceilings | --scaling 1,2,4 | --pp-sweep 1,2,4
     distlm plan --gpus N [--config ...] [section.key=value ...]
     distlm export RUN_OR_CKPT OUT [--dtype fp32|bf16|fp16]
