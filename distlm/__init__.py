@@ -6,25 +6,27 @@ The public API (see docs/API.md):
 """
 __version__ = "0.1.0"
 
-from distlm.config import Config, ConfigError, load_config  # noqa: E402
-from distlm.model.generate import SamplingConfig, generate_text  # noqa: E402
-from distlm.model.gpt import GPT  # noqa: E402
+# Each public name is imported on first use, so that `import distlm` (and so `distlm --help`,
+# an argument error or `distlm env`) does not pay for torch, tensorboard and the data stack.
+_PUBLIC = {
+    "Config": "distlm.config", "ConfigError": "distlm.config", "load_config": "distlm.config",
+    "SamplingConfig": "distlm.model.generate", "generate_text": "distlm.model.generate",
+    "GPT": "distlm.model.gpt", "Trainer": "distlm.train.trainer", "load_model": "distlm.model.load",
+    "prepare": "distlm.data.prepare",
+}
 
 
 def __getattr__(name):
-    # The Trainer and checkpoint loading pull in torch.distributed, tensorboard and the data
-    # stack; import them on first use so `import distlm` for a model alone stays light.
-    if name == "Trainer":
-        from distlm.train.trainer import Trainer
-        return Trainer
-    if name == "load_model":
-        from distlm.model.load import load_model
-        return load_model
-    if name == "prepare":
-        from distlm.data.prepare import prepare
-        return prepare
-    raise AttributeError(name)
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'distlm' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
 
 
-__all__ = ["Config", "ConfigError", "GPT", "SamplingConfig", "Trainer", "generate_text", "load_config",
-           "load_model", "prepare"]
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])
+
+
+__all__ = sorted(_PUBLIC)

@@ -11,8 +11,6 @@ import math
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
-
 from distlm.config import load_config
 
 CPU_OVERRIDES = ["train.time_limit_s=200"]
@@ -32,10 +30,13 @@ def demo(
 
     What `make run` runs. On CPU: the `demo` preset on a 4,096-token BPE, about 3 minutes.
     """
+    import torch  # here, not at the top: the CLI's parser imports this module
+
     from distlm.data.prepare import prepare
     from distlm.data.sources import DEFAULT_CORPUS
     from distlm.data.tokenizer import load_tokenizer
     from distlm.model.generate import SamplingConfig, generate_text
+    from distlm.train.samples import append_samples
     from distlm.train.trainer import Trainer
 
     cuda = torch.cuda.is_available()
@@ -60,13 +61,16 @@ def demo(
     print(f"[3/5] validation loss {val:.4f}, perplexity {math.exp(val):.1f}")
     print("[4/5] samples (temperature 0.8, top-k 50):")
     tok = load_tokenizer(trainer.manifest["tokenizer"]["name"], data_dir)
-    for i, prompt in enumerate(("It was a dark and stormy night", "The king said", "Call me Ishmael.")):
+    prompts, texts = ("It was a dark and stormy night", "The king said", "Call me Ishmael."), []
+    for i, prompt in enumerate(prompts):
         sc = SamplingConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=i)
-        text = generate_text(trainer.gpt, tok, prompt, sc)[0]
-        print(f"  >> {prompt}{text}".replace("\n", " "))
+        texts.append(generate_text(trainer.gpt, tok, prompt, sc)[0])
+        print(f"  >> {prompt}{texts[-1]}".replace("\n", " "))
     run_dir = Path(summary["run_dir"])
+    append_samples(run_dir / "samples.txt", trainer.step, "60 new tokens, temperature 0.8, top-k 50, sample i "
+                   "with seed i", list(prompts), texts)
     print(f"[5/5] loss curve: {run_dir / 'loss.png'}")
-    print(f"\nrun folder: {run_dir}  (config.yaml, metrics.csv, tensorboard/, checkpoints/, loss.png)")
+    print(f"\nrun folder: {run_dir}  (config.yaml, metrics.csv, samples.txt, tensorboard/, checkpoints/, loss.png)")
     print("next:")
     print(f"  distlm generate --checkpoint {run_dir} --prompt 'Once upon a time' --num-samples 3")
     print(f"  distlm eval --checkpoint {run_dir}")

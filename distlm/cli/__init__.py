@@ -7,7 +7,7 @@ signature is its command line (signature.py builds the argparse parser from it).
     distlm eval --checkpoint RUN_OR_CKPT [--split val|train] [--json]   (a language model or a classifier)
     distlm predict --checkpoint RUN_OR_CKPT --input FILE [--out F.csv|F.jsonl]
     distlm generate --checkpoint RUN_OR_CKPT --prompt TEXT | --prompts-file F --out F.jsonl | --interactive
-    distlm plot RUN... [--out loss.png]
+    distlm plot RUN... [--out PNG]          (default: RUN/loss.png, or FIRST_RUN/compare.png)
     distlm bench [--config ...] [section.key=value ...] | --ceilings | --scaling 1,2,4 | --pp-sweep 1,2,4
     distlm plan --gpus N [--config ...] [section.key=value ...]
     distlm export RUN_OR_CKPT OUT [--dtype fp32|bf16|fp16]
@@ -29,18 +29,17 @@ import os
 import sys
 from typing import Callable, Optional
 
+# Only light modules here: building the parser must not import torch (about 5 s on a loaded
+# 2-core box), so `distlm --help`, a usage error or `--print-config` answer at once. The verbs
+# import what they need in their bodies; tests/test_cli_light.py checks that torch stays out.
 from distlm import __version__
 from distlm.cli.bench import bench
 from distlm.cli.generate import generate
 from distlm.cli.signature import add_verb, call, takes
-from distlm.cli.verbs import env, evaluate, plan, plot, prepare, train
+from distlm.cli.verbs import env, evaluate, export, plan, plot, predict, prepare, train
 from distlm.config import SECTIONS, ConfigError, list_presets
 from distlm.data import DataError
 from distlm.demo import demo
-from distlm.interop.hf import export
-from distlm.tasks.classify.cli import predict
-from distlm.checkpoint.errors import CheckpointError
-from distlm.train.faults import TrainingStopped
 
 VERBS: dict[str, Callable[..., int]] = {
     "prepare": prepare,
@@ -93,17 +92,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         if extra:
             _take_overrides(parser.verb_parsers[args.verb], args, extra, argv)
         return call(args._fn, args)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError) as e:
         print_error(str(e))
         return 2
-    except TrainingStopped as e:
+    except Exception as e:
+        status = _status_of(e)
+        if status is None:
+            raise
         print_error(str(e))
-        return 3
+        return status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
         _shutdown()
+
+
+# Errors of the heavy modules, with their exit status: a CheckpointError is the user's (a
+# missing or damaged checkpoint), a TrainingStopped is a run that had to stop.
+_HEAVY_ERRORS = (("distlm.checkpoint.errors", "CheckpointError", 2), ("distlm.train.faults", "TrainingStopped", 3))
+
+
+def _status_of(e: Exception) -> Optional[int]:
+    """The exit status of one of _HEAVY_ERRORS, None for anything else (a bug: traceback).
+    Each class is looked up only if its module is loaded: an exception of a module never
+    imported cannot have been raised, and importing it here would load torch."""
+    for module, name, status in _HEAVY_ERRORS:
+        mod = sys.modules.get(module)
+        if mod is not None and isinstance(e, getattr(mod, name)):
+            return status
+    return None
 
 
 def print_error(message: str) -> None:
@@ -116,15 +134,19 @@ def print_error(message: str) -> None:
     if rank == "0":
         print(f"error: {message}", file=sys.stderr)
         return
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
+    if _process_group_up():
         print(f"error (rank {rank}): {message}", file=sys.stderr)
 
 
 def _shutdown() -> None:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if _process_group_up():
+        sys.modules["torch.distributed"].destroy_process_group()
+
+
+def _process_group_up() -> bool:
+    # Not loaded means no group was ever started; importing it to ask would cost torch's import.
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def _is_override(token: str) -> bool:

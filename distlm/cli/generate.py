@@ -58,8 +58,10 @@ def generate(
         raise ConfigError(f"--seed {seed}: prompt i of --prompts-file samples with seed + i, and the last "
                           f"({seed + len(prompts) - 1}) is above {MAX_SEED}")
 
+    from distlm.cli.verbs import check_device_flag
     from distlm.model.load import load_run_tokenizer, load_trained
     from distlm.train.setup import resolve_device
+    check_device_flag(device)
     loaded = load_trained(checkpoint, resolve_device(device), task="lm", samples=num_samples,
                           new_tokens=max_new_tokens)
     tok = load_run_tokenizer(loaded.folder, loaded.cfg)

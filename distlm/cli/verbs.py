@@ -1,7 +1,9 @@
-"""The verbs that each fit in a screen: prepare, train, eval, plot, plan, env.
+"""The verbs that each fit in a screen: prepare, train, eval, predict, plot, plan, export, env.
 
-generate and bench, which have modes, live in generate.py and bench.py; predict in
-distlm/tasks/classify/cli.py, export in distlm/interop/hf.py, demo in distlm/demo.py.
+generate and bench, which have modes, live in generate.py and bench.py, demo in
+distlm/demo.py. predict and export are only their command lines here: the work is in
+distlm/tasks/classify/cli.py and distlm/interop/hf.py, whose packages import torch, which
+building the parser must not (`distlm --help` would take seconds).
 """
 from __future__ import annotations
 
@@ -14,6 +16,15 @@ from typing import Annotated, Literal, Optional, Sequence
 from distlm.config import ConfigError, load_config, to_yaml, updated
 
 Device = Literal["auto", "cpu", "cuda"]
+
+
+def check_device_flag(device: str) -> None:
+    """--device cuda where there is no CUDA, refused in the words of the flag the user wrote
+    (the Trainer's own check speaks of train.device, a config field these verbs do not have)."""
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
 
 
 def prepare(
@@ -115,7 +126,7 @@ def evaluate(
     data: Annotated[Optional[str], "data folder (default: the one the run trained on)"] = None,
     split: Literal["val", "train"] = "val",
     batches: Annotated[int, "language model: micro-batches to average over, spread across the split; "
-                            "0 = the whole split"] = 0,
+                            "0 = every block of the split"] = 0,
     device: Device = "auto",
     json: Annotated[bool, "print one JSON object"] = False,
 ) -> int:
@@ -123,6 +134,7 @@ def evaluate(
 
     The blocks are spread evenly over the split; the line says how many and how many tokens.
     """
+    check_device_flag(device)
     from distlm.model.load import checkpoint_task
     if checkpoint_task(checkpoint) == "classify":
         from distlm.tasks.classify.cli import evaluate_classifier
@@ -153,7 +165,9 @@ def evaluate(
         raise ConfigError(f"{data_dir}: vocabulary {manifest['tokenizer']['vocab_size']} does not fit the model's "
                           f"{cfg.model.vocab_size} (data and checkpoint use different tokenizers)")
     blocks = TokenBlocks(data_dir, split, cfg.model.block_size, manifest)
-    val = val_micro_batches(blocks, batches, cfg.train.micro_batch_size)
+    # keep_tail: the last, partial micro-batch too, so 0 means every block (eval runs eagerly:
+    # a smaller last batch costs no compilation).
+    val = val_micro_batches(blocks, batches, cfg.train.micro_batch_size, keep_tail=True)
     total = rows = 0.0
     with torch.no_grad():
         # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
@@ -172,13 +186,34 @@ def evaluate(
     return 0
 
 
+def predict(
+    *,
+    checkpoint: str,
+    input: Annotated[str, "texts to label: .txt (one per line), or a column of .csv/.tsv/.jsonl/.parquet "
+                          "(optionally .gz/.xz)"],
+    text_field: Annotated[str, "the text column of csv/jsonl/parquet inputs"] = "text",
+    out: Annotated[Optional[str], "F.csv (index,label,prob_<label>...) or F.jsonl ({index, label, probs}); "
+                                  "default: RUN/INPUT.predictions.csv, in the checkpoint's run folder"] = None,
+    batch_size: Annotated[int, "texts per forward"] = 64,
+    device: Device = "auto",
+) -> int:
+    """Label texts with a classifier; writes each text's label and class probabilities."""
+    check_device_flag(device)
+    from distlm.tasks.classify.cli import predict_texts
+    return predict_texts(checkpoint, input, text_field=text_field, out=out, batch_size=batch_size, device=device)
+
+
 def plot(
     runs: Annotated[Sequence[str], "run folders, each with its metrics.csv"], /, *,
-    out: Annotated[str, "the PNG to write"] = "loss.png",
+    out: Annotated[Optional[str], "the PNG to write; default: RUN/loss.png for one run, FIRST_RUN/compare.png "
+                                  "for several"] = None,
 ) -> int:
-    """Draw the loss curves of runs into one PNG."""
+    """Draw the loss curves of runs into one PNG (in the run folder unless --out says otherwise)."""
     from distlm.train.plot import plot_runs
-    print(f"wrote {plot_runs([Path(r) for r in runs], Path(out))}")
+    # Never the working directory: a plot belongs with the run it shows, and a second
+    # `distlm plot` elsewhere would silently replace the first one's ./loss.png.
+    dest = Path(out) if out else Path(runs[0]) / ("loss.png" if len(runs) == 1 else "compare.png")
+    print(f"wrote {plot_runs([Path(r) for r in runs], dest)}")
     return 0
 
 
@@ -258,6 +293,29 @@ def plan(
         print(f"no layout fits in {gpu_mem_gb:g} GiB: lower train.micro_batch_size, or add GPUs")
         return 1
     print(explain(fits[0], ests, gpu_mem_gb))
+    return 0
+
+
+def export(
+    checkpoint: str, out: Annotated[str, "the folder to write"], /, *,
+    format: Annotated[Literal["hf"], "hf: a Hugging Face transformers folder"] = "hf",
+    dtype: Annotated[Literal["fp32", "bf16", "fp16"], "weight dtype"] = "fp32",
+    force: Annotated[bool, "replace OUT if it exists"] = False,
+) -> int:
+    """Write a checkpoint as a Hugging Face transformers folder, weights in one file.
+
+    Checkpoints are DCP folders (a file per rank); this is the way to one file:
+    OUT/model.safetensors (safetensors.torch.load_file gives the state dict, no distlm
+    needed), with config.json and the tokenizer, so transformers' from_pretrained loads OUT.
+    GPT2LMHeadModel for learned/sinusoidal positions + layernorm + gelu; for rope + rmsnorm,
+    LlamaForCausalLM (swiglu), Qwen3ForCausalLM (swiglu, qk_norm), ArceeForCausalLM (relu2)
+    or ApertusForCausalLM (relu2, qk_norm). Other combinations are refused, never exported
+    approximately.
+    """
+    from distlm.interop.hf import export_hf
+    s = export_hf(checkpoint, out, dtype=dtype, overwrite=force)
+    print(f"exported {s['checkpoint']} as {s['architecture']} ({s['dtype']}, tokenizer {s['tokenizer']}) "
+          f"to {s['out']}")
     return 0
 
 

@@ -298,16 +298,17 @@ class ValSet:
 
 
 def val_micro_batches(blocks: TokenBlocks, n_batches: int | None, micro_batch: int, dp_rank: int = 0,
-                      dp_size: int = 1, *, name: str = "") -> ValSet:
+                      dp_size: int = 1, *, name: str = "", keep_tail: bool = False) -> ValSet:
     """A fixed validation set of ``n_batches`` micro-batches of ``micro_batch`` blocks in all
     (over all ranks, so the set is the same whatever dp_size), spread over the whole split;
     ``n_batches`` 0 or None: the whole split. The set is a whole number of micro-batches
-    (a whole split loses its last few blocks) unless the split is smaller than one. See ValSet."""
+    (a whole split loses its last few blocks) unless the split is smaller than one, or
+    ``keep_tail`` keeps a last, partial micro-batch (`distlm eval`). See ValSet."""
     n = len(blocks)
     if n_batches is not None and (isinstance(n_batches, bool) or int(n_batches) < 0):
         raise DataError(f"validation batches {n_batches!r} must be 0 (the whole split) or more")
     want = n if not n_batches else min(n, int(n_batches) * micro_batch)
-    if want >= micro_batch:
+    if want >= micro_batch and not keep_tail:
         want -= want % micro_batch
     n_chunks = -(-want // micro_batch)
     per_rank = -(-n_chunks // dp_size)

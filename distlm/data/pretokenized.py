@@ -35,6 +35,9 @@ def pretokenized_inputs(inputs: list[str], tokenizer: str) -> tuple[list[Path], 
         return None
     elif len(split) < len(paths):
         odd = next(p for p in paths if p not in split)
+        if not split:  # no train/val .bin among the inputs: nothing was mixed, the name is what is wrong
+            raise DataError(f"{odd}: a .bin input is read as pre-tokenized tokens (nanoGPT/llm.c), given as a train "
+                            f"and a val file named like train.bin and val.bin; this name says neither")
         raise DataError(f"{odd}: cannot mix with pre-tokenized .bin files; name those like train.bin / val.bin")
     for p in split:
         if not p.is_file():

@@ -1,12 +1,15 @@
 """Export distlm checkpoints as Hugging Face ``transformers`` folders.
 
-Only exact mappings are written: learned or sinusoidal positions + layernorm + gelu
-become ``GPT2LMHeadModel``, rope + rmsnorm + swiglu become ``LlamaForCausalLM``.
-Any other combination raises ExportError rather than producing a model whose logits
-differ from the checkpoint's, and so do the modern-block options neither class can
-express (``inexpressible``). ``model.zero_init_proj`` is only an initialisation and
-exports like any other model. The folder is built without importing ``transformers``
-(config.json is written by hand), so a training box can export without it.
+Only exact mappings are written. Learned or sinusoidal positions + layernorm + gelu become
+``GPT2LMHeadModel``. RoPE + rmsnorm become one of four Llama-family classes, chosen by the
+MLP and by QK-norm (``ROPE_ARCHS``): Llama (swiglu), Qwen3 (swiglu + a norm on each head's
+queries and keys), Arcee (ReLU^2, not gated) and Apertus (ReLU^2 + per-head QK-norm). Their
+per-head q/k norms carry a learned gain that distlm's QK-norm lacks: it is written as ones,
+which is exact. Any other combination raises ExportError rather than producing a model whose
+logits differ from the checkpoint's, and so do the modern-block options no class can express
+(``inexpressible``). ``model.zero_init_proj`` is only an initialisation and exports like any
+other model. The folder is built without importing ``transformers`` (config.json is written
+by hand), so a training box can export without it.
 
 The tensor-name table (``weight_pairs``) is shared with the import side
 (``distlm.interop.hf_load``) so both directions cannot drift apart.
@@ -16,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import torch
 
@@ -37,46 +40,80 @@ class ExportError(InteropError):
     pass
 
 
-# Options GPT2LMHeadModel and LlamaForCausalLM have no field for, with what each changes.
-# (model.mlp=relu2 is refused by hf_architecture: neither class's MLP has that activation.)
+# Options with what each one gives the model, for the messages that refuse them. QK-norm is
+# expressible on export (Qwen3, Apertus) but not by the GPT-2/Llama folders import reads; the
+# others no exported class has. (model.mlp is checked by hf_architecture.)
 _INEXPRESSIBLE = (
-    ("qk_norm", False, "no norm on queries and keys"),
-    ("logit_softcap", 0.0, "no logit soft-cap"),
-    ("value_embeds", 0, "no value embeddings"),
-    ("skip_connections", False, "no U-net skips"),
-    ("attn_mask", "causal", "attention crosses end-of-text tokens"),
-    ("attn_window", 0, "no sliding window"),
+    ("qk_norm", False, "RMS norm on each head's queries and keys"),
+    ("logit_softcap", 0.0, "logits soft-capped by tanh"),
+    ("value_embeds", 0, "value-embedding tables"),
+    ("skip_connections", False, "U-net skips between blocks"),
+    ("attn_mask", "causal", "attention stops at end-of-text tokens"),
+    ("attn_window", 0, "sliding-window attention"),
 )
+_EXPORT_CLASSES = "GPT-2, Llama, Qwen3, Arcee or Apertus"
 
 
 def inexpressible(cfg: ModelConfig, allow: tuple[str, ...] = ()) -> list[str]:
-    """'model.FIELD=VALUE (what HF lacks)' for each option set that the HF classes cannot
-    express, except those in ``allow``."""
+    """'model.FIELD=VALUE (what the model has)' for each option set that the HF classes
+    cannot express, except those in ``allow``."""
     return [f"model.{k}={getattr(cfg, k)} ({why})" for k, off, why in _INEXPRESSIBLE
             if k not in allow and getattr(cfg, k) != off]
 
 
+@dataclass(frozen=True)
+class RopeArch:
+    """One Llama-family transformers class: what its block computes and how it names it."""
+    model_type: str
+    cls: str
+    hidden_act: str
+    gated: bool                 # down(act(gate(x)) * up(x)) rather than down(act(up(x)))
+    qk_norm: bool               # RMSNorm with a gain over each head's q and k, before RoPE
+    norms: tuple[str, str]      # the block's attention and MLP norms
+    mlp_bias: bool              # the class has an MLP bias flag (Qwen3's and Apertus' MLPs have none)
+
+
+ROPE_ARCHS = {
+    ("swiglu", False): RopeArch("llama", "LlamaForCausalLM", "silu", True, False,
+                                ("input_layernorm", "post_attention_layernorm"), True),
+    ("swiglu", True): RopeArch("qwen3", "Qwen3ForCausalLM", "silu", True, True,
+                               ("input_layernorm", "post_attention_layernorm"), False),
+    ("relu2", False): RopeArch("arcee", "ArceeForCausalLM", "relu2", False, False,
+                               ("input_layernorm", "post_attention_layernorm"), True),
+    ("relu2", True): RopeArch("apertus", "ApertusForCausalLM", "relu2", False, True,
+                              ("attention_layernorm", "feedforward_layernorm"), False),
+}
+_BY_TYPE = {a.model_type: a for a in ROPE_ARCHS.values()}
+CLASS_NAMES = {"gpt2": "GPT2LMHeadModel", **{t: a.cls for t, a in _BY_TYPE.items()}}
+
+
 def hf_architecture(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama'; ExportError naming the fields that rule out both."""
-    options = inexpressible(cfg)
+    """The HF model_type the model exports as ('gpt2', 'llama', 'qwen3', 'arcee', 'apertus');
+    ExportError naming the fields that rule out every class."""
+    options = inexpressible(cfg, allow=("qk_norm",))
     if options:
-        raise ExportError(f"{', '.join(options)}: Hugging Face GPT-2 and Llama cannot express "
-                          f"{'this option' if len(options) == 1 else 'these options'}; the exported model "
+        raise ExportError(f"{', '.join(options)}: no Hugging Face class distlm exports to ({_EXPORT_CLASSES}) "
+                          f"has {'this option' if len(options) == 1 else 'these options'}; the exported model "
                           f"would compute other logits")
     if cfg.position in ("learned", "sinusoidal"):
-        wrong = [f"model.{k}={getattr(cfg, k)}" for k, want in (("norm", "layernorm"), ("mlp", "gelu"))
-                 if getattr(cfg, k) != want]
+        wrong = [f"model.{k}={getattr(cfg, k)}" for k, want in (("qk_norm", False), ("norm", "layernorm"),
+                                                                ("mlp", "gelu")) if getattr(cfg, k) != want]
         if not wrong:
             return "gpt2"
-        need = "GPT-2 needs norm=layernorm, mlp=gelu"
+        need = "GPT-2 needs norm=layernorm, mlp=gelu, qk_norm=false"
     else:
-        wrong = [f"model.{k}={getattr(cfg, k)}" for k, want in (("norm", "rmsnorm"), ("mlp", "swiglu"))
-                 if getattr(cfg, k) != want]
-        if not wrong:
-            return "llama"
-        need = "Llama needs norm=rmsnorm, mlp=swiglu"
+        arch = ROPE_ARCHS.get((cfg.mlp, cfg.qk_norm))
+        if cfg.norm != "rmsnorm" or arch is None:
+            wrong = [f"model.{k}={getattr(cfg, k)}" for k, ok in (("norm", cfg.norm == "rmsnorm"),
+                                                                  ("mlp", cfg.mlp in ("swiglu", "relu2"))) if not ok]
+            need = "RoPE needs norm=rmsnorm with mlp=swiglu (Llama, Qwen3) or relu2 (Arcee, Apertus)"
+        elif cfg.bias and not arch.mlp_bias:
+            wrong = [f"model.bias=True with model.qk_norm={cfg.qk_norm}, model.mlp={cfg.mlp}"]
+            need = f"{arch.cls}'s MLP has no bias"
+        else:
+            return arch.model_type
     raise ExportError(f"{', '.join(wrong)} with model.position={cfg.position} has no exact Hugging Face "
-                      f"equivalent ({need}; rope+rmsnorm+swiglu exports as Llama)")
+                      f"equivalent ({need})")
 
 
 def weight_pairs(arch: str, cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], bool, bool]]:
@@ -105,14 +142,16 @@ def weight_pairs(arch: str, cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]
             add(h + "mlp.c_proj", [b + "mlp.w_out"], conv=True)
         add("transformer.ln_f", ["norm"])
     else:
+        ra = _BY_TYPE[arch]
+        mlp = (("gate_proj", "w_gate"),) if ra.gated else ()
         add("model.embed_tokens", ["tok_emb"], vocab=True, bias=False)
         for i in range(cfg.n_layer):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
-            add(h + "input_layernorm", [b + "attn_norm"], bias=False)
+            add(h + ra.norms[0], [b + "attn_norm"], bias=False)
             for hf, ours in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
                 add(h + "self_attn." + hf, [b + "attn." + ours], bias=cfg.bias)
-            add(h + "post_attention_layernorm", [b + "mlp_norm"], bias=False)
-            for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_in"), ("down_proj", "w_out")):
+            add(h + ra.norms[1], [b + "mlp_norm"], bias=False)
+            for hf, ours in mlp + (("up_proj", "w_in"), ("down_proj", "w_out")):
                 add(h + "mlp." + hf, [b + "mlp." + ours], bias=cfg.bias)
         add("model.norm", ["norm"], bias=False)
     if not cfg.tie_embeddings:
@@ -132,14 +171,32 @@ def hf_config(arch: str, cfg: ModelConfig, eos_id: int, dtype: str = "fp32") -> 
                 "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "summary_first_dropout": 0.0, "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
-    # rope_theta at the top level is what 4.x reads; 5.x moved it into rope_parameters.
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.d_model,
+    ra = _BY_TYPE[arch]
+    # rope_theta at the top level is what 4.x reads; 5.x moved it into rope_parameters (which must
+    # be written: Apertus' default is llama3 scaling). pad_token_id too: Apertus' default is 3.
+    conf = {"architectures": [ra.cls], "model_type": ra.model_type, "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-            "num_key_value_heads": cfg.n_head, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "num_key_value_heads": cfg.n_head, "head_dim": cfg.head_dim, "hidden_act": ra.hidden_act,
             "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0, "pretraining_tp": 1,
-            **common}
+            "attention_bias": cfg.bias, "attention_dropout": 0.0, "pad_token_id": None, **common}
+    if ra.mlp_bias:
+        conf["mlp_bias"] = cfg.bias
+    if arch == "llama":
+        conf["pretraining_tp"] = 1
+    if arch == "qwen3":  # every layer full attention
+        conf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
+                    layer_types=["full_attention"] * cfg.n_layer)
+    return conf
+
+
+def fixed_tensors(arch: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF tensors with no distlm counterpart, at the value that makes them a no-op: the gains
+    of Qwen3's and Apertus' per-head q/k norms (distlm's QK-norm has none, i.e. ones)."""
+    if arch == "gpt2" or not _BY_TYPE[arch].qk_norm:
+        return {}
+    return {f"model.layers.{i}.self_attn.{n}.weight": torch.ones(cfg.head_dim)
+            for i in range(cfg.n_layer) for n in ("q_norm", "k_norm")}
 
 
 def hf_state_dict(model, arch: str, dtype: str = "fp32") -> dict[str, torch.Tensor]:
@@ -165,6 +222,7 @@ def hf_state_dict(model, arch: str, dtype: str = "fp32") -> dict[str, torch.Tens
         if conv:
             t = t.t()
         out[hf] = t.to(DTYPES[dtype]).contiguous().clone()
+    out.update({k: v.to(DTYPES[dtype]) for k, v in fixed_tensors(arch, cfg).items()})
     return out
 
 
@@ -218,8 +276,7 @@ def export_hf(run_or_ckpt, out_dir, *, dtype: str = "fp32", overwrite: bool = Fa
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_dir(out, fill)
-    names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-    return {"out": str(out), "checkpoint": str(folder), "architecture": names[arch], "tokenizer": tok.name,
+    return {"out": str(out), "checkpoint": str(folder), "architecture": CLASS_NAMES[arch], "tokenizer": tok.name,
             "dtype": dtype, "tensors": len(tensors)}
 
 
@@ -227,23 +284,3 @@ def _umask() -> int:
     mask = os.umask(0)  # reading the umask means setting it: put it straight back
     os.umask(mask)
     return mask
-
-
-def export(
-    checkpoint: str, out: Annotated[str, "the folder to write"], /, *,
-    format: Annotated[Literal["hf"], "hf: a Hugging Face transformers folder"] = "hf",
-    dtype: Annotated[Literal["fp32", "bf16", "fp16"], "weight dtype"] = "fp32",
-    force: Annotated[bool, "replace OUT if it exists"] = False,
-) -> int:
-    """Write a checkpoint as a Hugging Face transformers folder, weights in one file.
-
-    Checkpoints are DCP folders (a file per rank); this is the way to one file:
-    OUT/model.safetensors (safetensors.torch.load_file gives the state dict, no distlm
-    needed), with config.json and the tokenizer, so transformers' from_pretrained loads OUT.
-    GPT2LMHeadModel for learned/sinusoidal positions + layernorm + gelu, LlamaForCausalLM
-    for rope + rmsnorm + swiglu; other combinations are refused, never exported approximately.
-    """
-    s = export_hf(checkpoint, out, dtype=dtype, overwrite=force)
-    print(f"exported {s['checkpoint']} as {s['architecture']} ({s['dtype']}, tokenizer {s['tokenizer']}) "
-          f"to {s['out']}")
-    return 0

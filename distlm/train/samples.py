@@ -15,6 +15,7 @@ into one process).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -54,6 +55,19 @@ def sample_texts(gpt: torch.nn.Module, tokenizer, prompt: str, n: int) -> list[s
             sc = SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, seed=i)
             out.append(generate_text(gpt, tokenizer, prompt, sc)[0])
     return out
+
+
+def append_samples(path: Path, step: int, header: str, prompts: list[str], texts: list[str]) -> None:
+    """Append one block to a run's samples.txt, in the layout the training logger writes
+    (RunLogger.samples): a ``=== step N === header`` line, then each sample under its own
+    ``--- sample i (seed i) ---`` line, prompt and continuation as generated. Sample i has
+    prompt i (the demo's three prompts) or, given one prompt, all share it."""
+    if len(prompts) == 1:
+        prompts = prompts * len(texts)
+    block = [f"=== step {step} === {header}\n"]
+    block += [f"--- sample {i} (seed {i}) ---\n{p}{t}\n" for i, (p, t) in enumerate(zip(prompts, texts))]
+    with open(path, "a") as f:
+        f.write("".join(block) + "\n")
 
 
 def console_block(step: int, prompt: str, texts: list[str]) -> str:

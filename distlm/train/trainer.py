@@ -297,6 +297,9 @@ class Trainer:
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
+        if main and every != cfg.log.every:  # said once, not done quietly
+            say(f"log.every={cfg.log.every}: a row every {every} steps instead, so that this "
+                f"{cfg.train.max_steps}-step run draws about 20 points")
         self.model.train()
         try:
             while self.step < cfg.train.max_steps:

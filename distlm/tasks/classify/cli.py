@@ -2,8 +2,8 @@
 
     distlm predict --checkpoint RUN_OR_CKPT --input FILE [--text-field F] [--out F.csv|F.jsonl]
 
-``predict`` is a verb of its own in the table (distlm/cli/__init__.py). ``distlm eval`` of a
-classifier lands in ``evaluate_classifier``, and ``distlm prepare --task classify`` in
+``distlm predict`` (its command line is in distlm/cli/verbs.py) lands in ``predict_texts``,
+``distlm eval`` of a classifier in ``evaluate_classifier``, and ``distlm prepare --task classify`` in
 ``distlm.tasks.classify.data.prepare_classify``.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import csv
 import io
 import json
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -33,6 +33,13 @@ def predict_probs(model, tokens: np.ndarray, lengths: np.ndarray, device, batch_
         batch = make_batch(tokens[s:s + batch_size], lengths[s:s + batch_size]).to(device)
         out.append(torch.softmax(model(batch).float(), -1).cpu().numpy())
     return np.concatenate(out)
+
+
+def run_folder(checkpoint_folder: Path) -> Path:
+    """RUN for RUN/checkpoints/step_N; for a checkpoint folder elsewhere, the folder holding
+    it (files written into a checkpoint would fail its file list)."""
+    return checkpoint_folder.parent.parent if checkpoint_folder.parent.name == "checkpoints" \
+        else checkpoint_folder.parent
 
 
 def evaluate_classifier(checkpoint: str, *, data: Optional[str], split: str, device: str, as_json: bool) -> int:
@@ -57,7 +64,7 @@ def evaluate_classifier(checkpoint: str, *, data: Optional[str], split: str, dev
     np.add.at(confusion, (rows["labels"], probs.argmax(1)), 1)
     result = {"checkpoint": str(folder), "data": str(data_dir), "split": split, **scores(confusion),
               "labels": labels, "confusion": confusion.tolist()}
-    run_dir = folder.parent.parent
+    run_dir = run_folder(folder)
     png = plot_confusion(confusion, labels, run_dir / f"confusion-{split}.png",
                          f"{split}: accuracy {result['accuracy']:.3f}, macro-F1 {result['macro_f1']:.3f}")
     result["confusion_png"] = str(png)
@@ -71,29 +78,23 @@ def evaluate_classifier(checkpoint: str, *, data: Optional[str], split: str, dev
     return 0
 
 
-def predict(
-    *,
-    checkpoint: str,
-    input: Annotated[str, "texts to label: .txt (one per line), or a column of .csv/.tsv/.jsonl/.parquet "
-                          "(optionally .gz/.xz)"],
-    text_field: Annotated[str, "the text column of csv/jsonl/parquet inputs"] = "text",
-    out: Annotated[Optional[str], "F.csv (index,label,prob_<label>...) or F.jsonl ({index, label, probs}); "
-                                  "default: INPUT.predictions.csv"] = None,
-    batch_size: Annotated[int, "texts per forward"] = 64,
-    device: Literal["auto", "cpu", "cuda"] = "auto",
-) -> int:
-    """Label texts with a classifier; writes each text's label and class probabilities."""
+def predict_texts(checkpoint: str, input: str, *, text_field: str, out: Optional[str], batch_size: int,
+                  device: str) -> int:
+    """`distlm predict` (its command line is in distlm/cli/verbs.py): each text's label and
+    class probabilities, written to ``out`` or else into the run folder."""
     from distlm.data.tokenizer import load_tokenizer
     from distlm.io import atomic_write_text
     from distlm.model.load import load_trained
     from distlm.tasks.classify.data import Row, encode_rows, read_texts
     from distlm.train.setup import resolve_device
     src = Path(input)
-    dest = Path(out) if out else src.with_name(src.name + ".predictions.csv")
-    if dest.suffix not in (".csv", ".jsonl"):
-        raise ConfigError(f"--out {dest}: the suffix must be .csv or .jsonl")
+    if out and Path(out).suffix not in (".csv", ".jsonl"):
+        raise ConfigError(f"--out {out}: the suffix must be .csv or .jsonl")
     dev = resolve_device(device)
     loaded = load_trained(checkpoint, dev, task="classify")
+    # Without --out the predictions go with the model that made them, never beside the input
+    # (which may be a shared or read-only folder).
+    dest = Path(out) if out else run_folder(loaded.folder) / f"{src.name}.predictions.csv"
     info = loaded.labels
     rows = read_texts(src, text_field)
     labels = info["labels"]
