@@ -34,6 +34,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
 PLACEHOLDERS = {
     "path/to/local/gpt2": "a Hugging Face GPT-2 folder the reader has",
     "/data/fineweb": "the reader's corpus",
+    "news.csv": "the reader's labelled texts",
 }
 # Kinds of command that are validated but not run here, and why.
 NOT_RUN = {
@@ -211,6 +213,11 @@ def validate(cmd: Command) -> None:
         assert (ROOT / script).is_file(), f"{cmd}: {script} does not ship"
         p = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
+        if script.endswith(".sbatch"):  # its dry run: --nodes N --gpus-per-node G CONFIG [overrides]
+            rest = [w for w in words[2:] if w != "--dry-run"]
+            world = int(_take(rest, ("--nodes",))) * int(_take(rest, ("--gpus-per-node",)))
+            rest = [w for i, w in enumerate(rest) if not (w.startswith("--") or (i and rest[i - 1].startswith("--")))]
+            validate_distlm(["train", "--config", rest[0], *rest[1:]], world)
     elif head == "make":
         targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
         assert words[1] in targets, f"{cmd}: the Makefile has no target {words[1]}"
@@ -254,6 +261,11 @@ def test_documented_commands_validate(tmp_path, monkeypatch):
             validate(cmd)
         except AssertionError as e:
             failures.append(f"{cmd}\n    {e}")
+        # What the command makes, for the commands after it (the tour's runs/first, say).
+        made = _take(cmd.words, ("--out",)) or next(
+            (f"runs/{w.split('=', 1)[1]}" for w in cmd.words if w.startswith("log.name=")), None)
+        if made and not made.startswith("/"):
+            (tmp_path / made).mkdir(parents=True, exist_ok=True)
     assert not failures, "documented commands that do not validate:\n" + "\n".join(failures)
 
 
@@ -285,3 +297,177 @@ def test_validation_refuses_a_layout_that_does_not_fit_its_world_size():
         validate(Command("x", 1, "distlm train --max-steps 5", ["distlm", "train", "--max-steps", "5"]))
     with pytest.raises(AssertionError, match="paste as written"):
         validate(Command("x", 1, "", ["distlm", "train", "[parallel.tp=2]"]))
+
+
+# ---- running ---------------------------------------------------------------------------
+
+CORPUS = "distlm/assets/gutenberg/gutenberg.tar.xz"
+LM_TINY = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=32",
+           "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_batches=2", "log.samples=1",
+           "train.device=cpu", "log.progress=false"]
+CLASSIFY_TINY = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "train.max_steps=4",
+                 "train.eval_every=0", "train.device=cpu", "log.progress=false"]
+RUN_VERBS = {"prepare", "train", "eval", "generate", "plot", "bench", "plan", "export", "predict", "env"}
+
+
+def tiny_corpus(out: Path) -> Path:
+    """The first 30 KB of six of the vendored books, as a .tar.xz like the real one (preparing
+    all of it takes minutes)."""
+    with tarfile.open(ROOT / CORPUS, "r:xz") as src, tarfile.open(out, "w:xz") as dst:
+        for n, member in enumerate(m for m in src if m.isfile()):
+            if n == 6:
+                break
+            data = src.extractfile(member).read()[:30_000]
+            info = tarfile.TarInfo(member.name)
+            info.size = len(data)
+            dst.addfile(info, io.BytesIO(data))
+    return out
+
+
+def not_run_reason(words: list[str]) -> str | None:
+    words = _strip_env(words)
+    for key, why in NOT_RUN.items():
+        if words[0] == key or key in words or (key.endswith("/") and any(w.startswith(key) for w in words)):
+            return why
+    if "-m" in words and "gpu" in words:
+        return NOT_RUN["-m gpu"]
+    config = _take(words, ("--config",))
+    if config in GPU_PRESETS and "plan" not in words:
+        return NOT_RUN["GPU-sized"]
+    if any(w in PLACEHOLDERS for w in words):
+        return "names the reader's own files"
+    return None
+
+
+def adapt(argv: list[str], cwd: Path) -> list[str]:
+    """The documented command at a tiny size, on the CPU."""
+    verb = argv[0]
+    args = [str(cwd / "tiny.tar.xz") if w == CORPUS else in_repo(w, cwd) for w in argv[1:]]
+    if verb == "train" and ("classify" in args or "task=classify" in args):
+        return [verb, *args, *CLASSIFY_TINY]
+    if verb == "train":
+        return [verb, *args, *LM_TINY, f"train.max_steps={6 if 'train.resume=auto' in args else 4}"]
+    if verb == "generate":
+        return [verb, *args, "--max-new-tokens", "16", "--device", "cpu"]
+    if verb in ("eval", "predict"):
+        return [verb, *args, "--device", "cpu"]
+    return [verb, *args]
+
+
+def check(argv: list[str], code: int, out: str, err: str, cwd: Path) -> None:
+    """What the user should see from each verb."""
+    verb = argv[0]
+    if verb == "bench":  # a GPU-sized run on a CPU: one line, and what to run instead
+        assert code == 2 and len(err.splitlines()) == 1 and "--config tiny" in err, err
+        return
+    assert code == 0, (argv, out[-2000:], err[-2000:])
+    if verb == "prepare":
+        assert re.search(rf"^prepared {re.escape(argv[argv.index('--out') + 1])}: train ", out, re.M), out
+    elif verb == "train" and "classify" in argv:
+        assert "accuracy" in out and "done: step 4" in out.splitlines()[-1], out
+    elif verb == "train":
+        steps = 6 if "train.resume=auto" in argv else 4
+        if "train.resume=auto" in argv:
+            assert "resumed from" in out, out
+        assert re.search(rf"^done: step {steps}, val loss [\d.]+ on (all )?[\d,]+ blocks .*, checkpoint ", out, re.M), out
+        assert f"samples at step {steps}" in out, out
+    elif verb == "eval" and "classify" not in out:
+        assert re.search(r"(val loss [\d.]+, perplexity [\d.]+ over|accuracy)", out), out
+    elif verb == "generate" and "--out" in argv:
+        written = cwd / argv[argv.index("--out") + 1]
+        n = len(Path(argv[argv.index("--prompts-file") + 1]).read_text().splitlines())
+        assert out.startswith(f"wrote {n} prompts x 1 samples to {written.name}"), out
+        assert [json.loads(x)["index"] for x in written.read_text().splitlines()] == list(range(n))
+    elif verb == "generate":
+        prompt = argv[argv.index("--prompt") + 1]
+        assert out.count("--- sample ") == int(argv[argv.index("--num-samples") + 1]), out
+        assert out.count(prompt) == out.count("--- sample "), out
+    elif verb == "plot":
+        import matplotlib.image
+        png = cwd / argv[argv.index("--out") + 1]
+        assert out.startswith("wrote ") and matplotlib.image.imread(png).shape[0] > 100, out
+    elif verb == "plan":
+        assert "recommended:" in out, out
+    elif verb == "predict":
+        written = cwd / argv[argv.index("--out") + 1]
+        assert len(written.read_text().splitlines()) >= 2, written.read_text()
+
+
+INPUT_DESTS = ("inputs", "checkpoint", "input", "prompts_file", "data", "merge")
+INPUT_OVERRIDES = ("data.dir", "task.init_from", "init.from_hf")
+
+
+def inputs_named(argv: list[str]) -> list[str]:
+    """The files and folders a distlm command reads, by its parser: what must exist before it runs."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args([w for w in argv if w != "..."])
+    if extra:
+        _take_overrides(parser.verb_parsers[args.verb], args, extra, argv)
+    found = []
+    for dest in INPUT_DESTS:
+        value = getattr(args, dest, None)
+        found += [value] if isinstance(value, str) else list(value or [])
+    for o in getattr(args, "overrides", []):
+        key, _, value = o.partition("=")
+        if key in INPUT_OVERRIDES and value not in ("", "null"):
+            found.append(value)
+    return found
+
+
+def run_python_c(code: str, cwd: Path) -> None:
+    exec(compile(code, "<documented python -c>", "exec"), {"__name__": "__main__"})
+
+
+def test_documented_commands_run(tmp_path, monkeypatch, capsys):
+    """The tour, then the guides' commands that fit a CPU, in page order, in one fresh folder,
+    each at a tiny size. A command that names a file which neither ships nor was made by an
+    earlier command fails here: the docs must paste as written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    tiny_corpus(tmp_path / "tiny.tar.xz")
+    ran, skipped, missing, took = [], [], [], []
+    unavailable: set[str] = set()  # what commands that are not run would have made
+    for cmd in all_commands():
+        words = _strip_env(cmd.words)
+        why = not_run_reason(words)
+        out_dir = _take(words, ("--out",)) or next((w.split("=", 1)[1] for w in words if w.startswith("log.name=")), None)
+        is_distlm = words[0] in ("distlm", "torchrun", "horovodrun") or words[1:3] == ["-m", "distlm"]
+        needs = inputs_named(launched(words)[1]) if is_distlm else []
+        if why is None and any(n in unavailable or any(n.startswith(u + "/") for u in unavailable) for n in needs):
+            why = "needs what a command not run here makes"
+        if why:
+            skipped.append((cmd, why))
+            if out_dir:
+                unavailable.add(out_dir if "/" in out_dir else f"runs/{out_dir}")
+            continue
+        if words[0] in ("python", "python3") and words[1] == "-c":
+            run_python_c(words[2], tmp_path)
+            ran.append(cmd)
+            continue
+        if words[0] == "bash":  # the SLURM dry run: prints what each node would run, starts nothing
+            p = subprocess.run(["bash", str(ROOT / words[1]), *words[2:]], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+            assert p.returncode == 0 and "torchrun" in p.stdout, (str(cmd), p.stdout[-1000:], p.stderr[-1000:])
+            ran.append(cmd)
+            continue
+        _, argv, _ = launched(words)
+        assert argv[0] in RUN_VERBS, f"{cmd}: add it to NOT_RUN with the reason, or run it here"
+        missing += [f"{cmd}: {path} neither ships nor is made by an earlier command"
+                    for path in inputs_named(argv) if not (tmp_path / path).exists() and not (ROOT / path).exists()]
+        argv = adapt(argv, tmp_path)
+        capsys.readouterr()
+        t = time.monotonic()
+        code = main(argv)
+        out, err = capsys.readouterr()
+        check(argv, code, out, err, tmp_path)
+        ran.append(cmd)
+        took.append(f"  {time.monotonic() - t:5.1f} s  {cmd}")
+    assert not missing, "\n".join(missing)
+    with capsys.disabled():
+        print(f"\ndocumented commands: {len(ran)} ran, {len(skipped)} validated only")
+        print("\n".join(took))
+        for cmd, why in skipped:
+            print(f"  not run: {cmd}  ({why})")
+    verbs = {launched(_strip_env(c.words))[1][0] for c in ran if _strip_env(c.words)[0] in ("distlm", "python")
+             and _strip_env(c.words)[1] != "-c"}
+    assert {"prepare", "train", "eval", "generate", "plot", "bench", "plan", "export", "predict"} <= verbs, verbs
