@@ -416,7 +416,7 @@ def check(argv: list[str], code: int, out: str, err: str, cwd: Path) -> None:
         assert len(written.read_text().splitlines()) >= 2, written.read_text()
 
 
-INPUT_DESTS = ("inputs", "checkpoint", "input", "prompts_file", "data", "merge")
+INPUT_DESTS = ("inputs", "checkpoint", "input", "prompts_file", "data", "merge", "runs")
 INPUT_OVERRIDES = ("data.dir", "task.init_from", "init.from_hf")
 
 
