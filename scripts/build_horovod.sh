@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build Horovod 0.28.1 (the last release) into the venv, with gloo, and NCCL where CUDA is present.
 #   make horovod        (or: VENV=.venv bash scripts/build_horovod.sh [SDIST.tar.gz])
-# Why a script: 0.28.1 does not build against torch >= 2.1 as released (upstream issues #3996, #4014).
+# Why a script: 0.28.1 does not build against torch >= 2.1 as released (horovod/horovod#3996 and #4014).
 # Two changes make it build: C++17 instead of 14 in its two CMakeLists.txt (the fix merged upstream
 # after the release), and --no-build-isolation, so CMake finds the venv's torch.
 # The built wheel is cached per (torch, python, gpu/cpu); a rebuild happens only when one changes.

@@ -13,7 +13,7 @@ def _tf32_flags_per_test():
     """A Trainer on CUDA turns on TF32 for the process (what a training run wants). Inside one
     pytest process that leaked into later fp32 comparisons: on an H100, the FlexAttention and
     model tests that run after a Trainer test compared TF32 results at fp32 tolerances and failed
-    (0.0035 against 2e-3); alone they pass. Each test starts from the flags the session began with."""
+    (0.0035 against 2e-3); alone they pass. Each test starts from the flags the test run began with."""
     import torch
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield

@@ -51,7 +51,7 @@ def train_cmd(root: Path, name: str, *extra: str, nproc: int = 1) -> list[str]:
 
 
 def launch(cmd: list[str], log: Path) -> subprocess.Popen:
-    """Own session (own process group), stdout+stderr into ``log``."""
+    """In a process group of its own (setsid), stdout+stderr into ``log``."""
     fh = open(log, "w")
     try:
         return subprocess.Popen(cmd, cwd=str(ROOT), env=child_env(), stdout=fh, stderr=subprocess.STDOUT,
@@ -175,7 +175,7 @@ def _alive(pid: int) -> bool:
 def kill_tree(proc: subprocess.Popen) -> list[int]:
     """SIGKILL the process we started, its process group and every descendant.
 
-    torchrun starts each worker in a session of its own, so killing torchrun's process
+    torchrun starts each worker with setsid, in a process group of its own, so killing torchrun's process
     group alone would leave the ranks running (and writing checkpoints) as orphans; a
     lost node loses all of them at once, which is what this simulates. The launcher is
     stopped first so it cannot start anything between the listing and the kill."""

@@ -1,4 +1,4 @@
-"""Nothing is lost (issue 14, parts 2 and 3): per-file checksums, non-finite weights never
+"""Nothing is lost: per-file checksums, non-finite weights never
 saved as complete, pruning that keeps a good checkpoint, resume=auto falling back past a
 damaged newest one, damaged markers, and failed saves (a real small filesystem where one
 can be mounted, and DCP's own exception types injected)."""

@@ -1,4 +1,4 @@
-"""A crafted checkpoint never runs code (issue 14, part 1).
+"""A crafted checkpoint never runs code.
 
 Each case writes a hostile ``.metadata`` (or RNG file, or pickled DCP entry) into a copy
 of a real checkpoint, re-computes the marker's checksums (an attacker controls the whole

@@ -318,7 +318,7 @@ def test_bench_reports_time_per_epoch_at_one_and_two_ranks(root, toy, monkeypatc
     assert raw[1]["exposed_comm_s"] is not None
 
 
-# ---- CUDA (through the device tool: python3 -m pytest -q -m gpu tests/test_classify.py) ----
+# ---- CUDA (on a CUDA machine: python3 -m pytest -q -m gpu tests/test_classify.py) ----
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_masked_bf16_attention_on_cuda_under_the_trainers_kernel_order():

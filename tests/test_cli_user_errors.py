@@ -1,4 +1,4 @@
-"""What a new user sees (issue 17): each command run as `python -m distlm ...` through pipes,
+"""What a new user sees: each command run as `python -m distlm ...` through pipes,
 its exit code, its stderr (one line, no traceback), the files it leaves and their modes.
 
 Each process pays about 3 s of imports, so the commands of a test start together."""

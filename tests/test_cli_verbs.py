@@ -1,5 +1,5 @@
-"""The CLI is one table of plain typed verbs (issue 15): the parser is read from their
-signatures, and the module docstring and README's CLI reference list every verb."""
+"""The CLI is one table of plain typed verbs: the parser is read from their signatures, and
+the module docstring and the verbs-at-a-glance table of docs/runs.md list every verb."""
 import re
 import subprocess
 import sys
@@ -14,9 +14,9 @@ from distlm.cli.signature import add_verb, call
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_docstring_and_readme_list_every_verb():
+def test_docstring_and_guide_list_every_verb():
     in_doc = set(re.findall(r"^\s+distlm (\w+)", cli.__doc__, re.M))
-    readme = (ROOT / "README.md").read_text().split("## CLI reference")[1].split("\n## ")[0]
+    readme = (ROOT / "docs" / "runs.md").read_text().split("## The verbs at a glance")[1].split("\n## ")[0]
     in_readme = set(re.findall(r"^\| `distlm (\w+)", readme, re.M))
     assert in_doc == set(cli.VERBS), in_doc ^ set(cli.VERBS)
     assert in_readme == set(cli.VERBS), in_readme ^ set(cli.VERBS)

@@ -1,4 +1,4 @@
-"""Fast by default (issue 16): train.compile, train.compile_scope, model.loss_chunk and
+"""Fast by default: train.compile, train.compile_scope, model.loss_chunk and
 train.micro_batch_size default to auto, made values for the device and the layout once, before
 the model is built (distlm/train/fast_defaults.py).
 

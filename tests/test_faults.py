@@ -1,4 +1,4 @@
-"""Reliability (issue 7): what the Trainer promises when things go wrong, tested by doing them.
+"""Reliability: what the Trainer promises when things go wrong, tested by doing them.
 
 - kill -9 anywhere (start-up, mid-step, mid-save, mid-prune), one process and a 2-rank
   torchrun tree: the run resumed again and again is the uninterrupted run, bit for bit;

@@ -1,4 +1,4 @@
-"""Issue 14's run-level holes, each as a real process or a real run: two trainers on one run
+"""Run-level faults, each as a real process or a real run: two trainers on one run
 folder, signals at start-up and after the last step, an evaluation that fails after the last
 step, a finished run resumed, absurd numbers in the config, a broken manifest, and a killed
 `prepare` leaving its tokenizer workers behind."""
@@ -203,7 +203,7 @@ def test_eval_on_data_from_another_tokenizer_is_refused(tmp_path, tiny_data, tex
 
 def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
     """Two benches launched side by side on one machine took the same timestamped folder and
-    the second died "in use by another trainer" (2 x 2 H100s, ninth session). The folder is
+    the second died "in use by another trainer" (2 x 2 H100s, 2026-11-27). The folder is
     now claimed by creating it: the later run gets -2."""
     import distlm.train.runlock as runlock
     from distlm.config import load_config

@@ -1,4 +1,4 @@
-"""CUDA-only checks; skipped where CUDA is absent. Run them through the device tool:
+"""CUDA-only checks; skipped where CUDA is absent. Run them on a CUDA machine:
     python3 -m pytest -q -m gpu tests/test_gpu.py
 """
 import pytest
@@ -61,7 +61,7 @@ def test_chunked_loss_compiled_on_cuda_matches_whole_logits():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_async_tp_fuses_the_collectives_into_matmuls(tmp_path):
     """parallel.async_tp must change the compiled graphs, not only set a flag: inductor's pass
-    logs each matmul -> reduce-scatter it fuses. From c4d1e45 until the twelfth session it fused
+    logs each matmul -> reduce-scatter it fuses. From c4d1e45 until 2026-11-27 it fused
     none (the TP group was not registered for symmetric memory) and async TP ran as plain TP,
     which only a profile showed. Two GPUs, gpt2-style blocks (biases), sequence parallel."""
     import os

@@ -45,7 +45,7 @@ LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model
 # AdamW's eps raised as in with_data() below: at eps=1e-8 this variant drifted to 7e-5 by step 5
 # (losses still equal to 5e-7), the eps amplification explained there.
 SINUS = ["model.position=sinusoidal", "model.norm=rmsnorm", "train.eps=1e-5"]
-# The modern block (issue 16): QK-norm, ReLU^2, soft-capped logits (a cap low enough to bend
+# The modern block: QK-norm, ReLU^2, soft-capped logits (a cap low enough to bend
 # them), document masks with a window, a value embedding and U-net skips. A 64-token vocabulary
 # so that the end-of-text token (5) cuts the synthetic rows into documents, ~8 per step.
 MODERN = ["model.position=rope", "model.qk_norm=true", "model.mlp=relu2", "model.logit_softcap=2",
@@ -147,7 +147,7 @@ def test_tp_backward_reduces_each_block_input_once(two):
     """The block's input is gathered once (attention's and the MLP's), so its gradient must be
     reduced once: a reduce-scatter with SP, an all-reduce without. Each q/k/v (and MLP input)
     projection all-reduced its own partial input gradient before (4 full all-reduces per block
-    in the backward instead of 2 reduce-scatters: 4x the bytes at TP2; issue 19)."""
+    in the backward instead of 2 reduce-scatters: 4x the bytes at TP2)."""
     L = 6  # BASE's blocks
     sp, plain = (two[name][0]["update_collectives"]["forward_backward"] for name in ("tp2_sp", "tp2_plain"))
     # SP, per block and pass: 2 all-gathers and 2 reduce-scatters (one pair each for attention
@@ -165,7 +165,7 @@ def test_tp_gathers_block_inputs_in_the_autocast_dtype(two):
     """Under bf16 autocast the norms' output is fp32 and the projections cast it to bf16: the
     block input is cast before its all-gather, so every block collective moves bf16, the
     gathers forward and their gradients' reduce-scatters backward included (before: 2 fp32
-    all-gathers and 2 fp32 reduce-scatters per block, half of TP's bytes; issue 19)."""
+    all-gathers and 2 fp32 reduce-scatters per block, half of TP's bytes)."""
     L = 6
     seen = two["tp2_sp"][0]["update_collectives"]["autocast_dtypes"]
     ag, rs = seen["all_gather_into_tensor"], seen["reduce_scatter_tensor"]
@@ -332,7 +332,7 @@ print(sorted(producer(n.all_input_nodes[0]) for n in graphs[0].nodes if "reduce_
 def test_row_parallel_matmuls_feed_their_reduce_scatters_directly():
     """Async TP fuses a reduce-scatter only with a matmul that feeds it directly. With torch's
     RowwiseParallel a biased layer's bias was added inside the matmul (addmm), so no
-    reduce-scatter of a GPT-2-style block could be fused (issue 19); the plan now adds it after
+    reduce-scatter of a GPT-2-style block could be fused; the plan now adds it after
     the reduction. Traced on one process with a fake group of two: every reduce-scatter of the
     block's forward (attention and MLP outputs) is fed by a plain mm."""
     import subprocess

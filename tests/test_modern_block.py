@@ -1,4 +1,4 @@
-"""The modern-block options of GPT (issue 16, items 3 and 4), each against a numerical
+"""The modern-block options of GPT, each against a numerical
 reference: QK-norm, ReLU^2, zero-initialised projections, logit soft-cap (both loss paths and
 generation), value embeddings, U-net skips, document masks and sliding windows (dense path
 on CPU; FlexAttention on CUDA under the `gpu` mark), and the HF export/import refusals.

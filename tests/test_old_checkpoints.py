@@ -1,4 +1,4 @@
-"""Checkpoints written before the package was reshaped (issue 15) still load and resume.
+"""Checkpoints written before the package was reshaped (commit 13d7eec and before) still load and resume.
 
 tests/fixtures/run-13d7eec is a run saved by commit 13d7eec (the last one before the move):
 1 layer, d=32, synthetic tokens over 256, 3 steps; expected.json holds the logits that code

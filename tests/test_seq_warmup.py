@@ -1,4 +1,4 @@
-"""Sequence-length warm-up (issue 16, "Schedules"): train.seq_warmup_steps / seq_warmup_start.
+"""Sequence-length warm-up: train.seq_warmup_steps / seq_warmup_start.
 
 The loader serves the same blocks in the same order; only the rows they are cut into, and
 so the attention context, change during the warm-up. Checked here: the schedule, a step

@@ -1,4 +1,4 @@
-"""What a user sees of a training run (issue 17, items 1, 4, 7 and 8), read as a user reads
+"""What a user sees of a training run, read as a user reads
 it: the console through pipes, metrics.csv with csv.DictReader, samples.txt, TensorBoard's
 text tab through EventAccumulator, loss.png decoded.
 

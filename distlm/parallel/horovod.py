@@ -3,7 +3,7 @@
     make horovod
     horovodrun -np 2 -H localhost:2 --gloo python -m distlm train parallel.engine=horovod ...
 
-What the seed system did, in the same Trainer: ``hvd.init``, ``DistributedOptimizer``
+Horovod's classic data-parallel recipe, in the same Trainer: ``hvd.init``, ``DistributedOptimizer``
 with ``backward_passes_per_step`` for accumulation (one allreduce per optimizer step),
 ``broadcast_parameters`` / ``broadcast_optimizer_state`` from rank 0, ``allreduce`` for
 metric averaging, and rank-0 checkpoints. Checkpoints are the same DCP folders the torch
