@@ -1,0 +1,303 @@
+"""`prepare` speed on three corpus shapes, as a ratio to the tokenizer's own speed.
+
+    python -m distlm.bench.prepare_speed --shapes small-files,jsonl,huge --size-mb 200 \
+        --workers 1,4,8,16 --out /tmp/prepare-speed
+
+An absolute MB/s says little about a machine we do not control; the ratio to what one
+process doing nothing but ``encode_ordinary`` reaches on the same documents, on the same
+machine, in the same run, does. For each shape this builds a corpus of ``--size-mb`` MB
+from the bundled Gutenberg texts (and the ``*.txt`` files under each ``--source`` folder),
+measures that reference rate, then runs ``prepare`` once per worker count, each in a fresh
+process (so each run's peak RSS is its own), and reports:
+
+- MB/s: input bytes on disk / wall time of the ``prepare()`` call (from the first read to the
+  renamed output folder; imports and worker start-up excluded, the pool start included);
+- ratio: (UTF-8 text bytes / wall) / (N x reference text bytes/s), N the worker count;
+- parent CPU s/MB: the ``prepare`` process's own user+system time per input MB;
+- peak RSS of the parent and of its largest worker (getrusage; both count the pages a forked
+  worker shares with its parent).
+
+Every run's output folder is checked to be byte-identical across worker counts (the sha256 of
+each shard, as the manifest lists them).
+
+Shapes (each ``--size-mb`` MB):
+
+- ``small-files``: plain-text files of about 1 MB, one document each;
+- ``jsonl``: JSONL files of about 16 MB, documents of about 20 paragraphs; with pyarrow, the
+  same documents as Parquet too (row ``parquet``);
+- ``huge``: one ``.txt`` file (one document: no separator) and one ``.jsonl`` file.
+
+The corpus is written once per ``--out`` and size and reused; it is in the page cache when
+``prepare`` reads it (on a machine with less free memory than the corpus it is not).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "gutenberg" / "gutenberg.tar.xz"
+SHAPES = ("small-files", "jsonl", "huge")
+SMALL_FILE_BYTES = 1 << 20
+JSONL_FILE_BYTES = 16 << 20
+DOC_PARAGRAPHS = 20
+REFERENCE_SAMPLE = 48 << 20  # text bytes encoded for the reference rate (or the whole corpus if smaller)
+COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "parent_cpu_s_per_mb",
+           "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "identical")
+
+
+def paragraphs(sources: list[Path]) -> list[str]:
+    """The paragraphs (over 20 characters) of the bundled Gutenberg books and of the ``*.txt``
+    files under ``sources``, in a fixed order."""
+    texts = []
+    with tarfile.open(ASSETS) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            if member.isfile() and not member.name.rsplit("/", 1)[-1].startswith("."):
+                texts.append(tar.extractfile(member).read().decode("utf-8", "replace"))
+    for folder in sources:
+        texts += [p.read_text("utf-8", "replace") for p in sorted(Path(folder).rglob("*.txt"))]
+    out = []
+    for text in texts:
+        out += [p.strip() for p in re.split(r"\n\s*\n", text.replace("\r\n", "\n")) if len(p.strip()) > 20]
+    return out
+
+
+class _Documents:
+    """Documents made of randomly drawn paragraphs: the same sequence for the same seed."""
+
+    def __init__(self, paras: list[str], seed: int) -> None:
+        self.paras, self.rng = paras, random.Random(seed)
+
+    def next(self, paragraphs_per_doc: int) -> str:
+        return "\n\n".join(self.rng.choices(self.paras, k=paragraphs_per_doc))
+
+    def until(self, nbytes: int) -> str:
+        """One document of at least ``nbytes`` UTF-8 bytes."""
+        parts, n = [], 0
+        while n < nbytes:
+            p = self.rng.choice(self.paras)
+            parts.append(p)
+            n += len(p.encode("utf-8")) + 2
+        return "\n\n".join(parts)
+
+
+def build_corpora(shapes: list[str], size_mb: float, folder: Path, sources: list[Path], seed: int = 0, *,
+                  small_file_bytes: int = SMALL_FILE_BYTES, jsonl_file_bytes: int = JSONL_FILE_BYTES) -> dict:
+    """Write each shape's corpus (``size_mb`` MB each) under ``folder``; {row name: input path}.
+    Deterministic: the same paragraphs, size, seed and file sizes give the same bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = folder / "corpora.json"
+    key = {"shapes": shapes, "size_mb": size_mb, "sources": [str(s) for s in sources], "seed": seed,
+           "files": [small_file_bytes, jsonl_file_bytes]}
+    old = json.loads(stamp.read_text()) if stamp.is_file() else None
+    if old and old["key"] == key:
+        return old["rows"]
+    paras, size, rows = paragraphs(sources), int(size_mb * (1 << 20)), {}
+    for shape in shapes:
+        docs = _Documents(paras, seed)
+        if shape == "small-files":
+            rows[shape] = _write_small_files(folder / shape, docs, size, small_file_bytes)
+        elif shape == "jsonl":
+            rows["jsonl"], texts = _write_jsonl_files(folder / "jsonl", docs, size, jsonl_file_bytes)
+            if _has_pyarrow():
+                rows["parquet"] = _write_parquet(folder / "parquet", texts, jsonl_file_bytes)
+        elif shape == "huge":
+            rows["huge-txt"] = _write_text(folder / "huge" / "corpus.txt", docs.until(size))
+            rows["huge-jsonl"], _ = _write_jsonl_files(folder / "huge-jsonl", docs, size, size, one_file=True)
+        else:
+            raise SystemExit(f"--shapes: unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
+    stamp.write_text(json.dumps({"key": key, "rows": rows}))
+    return rows
+
+
+def _write_text(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text.encode("utf-8"))
+    return str(path)
+
+
+def _write_small_files(folder: Path, docs: _Documents, size: int, file_bytes: int) -> str:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    total = i = 0
+    while total < size:
+        data = docs.until(min(file_bytes, size - total)).encode("utf-8")
+        (folder / f"{i:05d}.txt").write_bytes(data)
+        total, i = total + len(data), i + 1
+    return str(folder)
+
+
+def _write_jsonl_files(folder: Path, docs: _Documents, size: int, file_bytes: int,
+                       one_file: bool = False) -> tuple[str, list[str]]:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    texts, total, i, fh, in_file = [], 0, 0, None, 0
+    while total < size:
+        if fh is None or (not one_file and in_file >= file_bytes):
+            if fh:
+                fh.close()
+            fh, in_file, i = open(folder / f"{i:05d}.jsonl", "wb"), 0, i + 1
+        text = docs.next(DOC_PARAGRAPHS)
+        line = (json.dumps({"text": text}) + "\n").encode("utf-8")
+        fh.write(line)
+        texts.append(text)
+        total, in_file = total + len(line), in_file + len(line)
+    fh.close()
+    path = folder / "00000.jsonl" if one_file else folder
+    return str(path), texts
+
+
+def _has_pyarrow() -> bool:
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _write_parquet(folder: Path, texts: list[str], file_bytes: int) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    per_file, start, i = max(1, len(texts) * file_bytes // max(sum(map(len, texts)), 1)), 0, 0
+    while start < len(texts):
+        chunk = texts[start:start + per_file]
+        pq.write_table(pa.table({"text": chunk}), folder / f"{i:05d}.parquet", row_group_size=128)
+        start, i = start + per_file, i + 1
+    return str(folder)
+
+
+def reference_rate(path: str, sample: int = REFERENCE_SAMPLE, repeats: int = 2) -> float:
+    """Text bytes/s of one process doing nothing but ``encode_ordinary`` (GPT-2) on the first
+    ``sample`` bytes of ``path``'s documents, already in memory, in the pieces ``prepare`` feeds
+    the tokenizer; the best of ``repeats`` passes (the box may be shared)."""
+    from distlm.data import tokenizer as tkz
+    from distlm.data.sources import iter_documents
+    tok = tkz.gpt2()
+    enc = tok.encoding
+    pieces, n = [], 0
+    for _, text in iter_documents([path]):
+        for piece in tkz.split_for_encoding(text, tok.chunk_chars):
+            pieces.append(piece)
+            n += len(piece.encode("utf-8"))
+            if n >= sample:
+                break
+        if n >= sample:
+            break
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for piece in pieces:
+            enc.encode_ordinary(piece)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def measure_one(path: str, workers: int, out: str) -> dict:
+    """One ``prepare`` run in this (fresh) process: wall, CPU, peak RSS, output digest."""
+    from distlm.data.prepare import prepare
+    shutil.rmtree(out, ignore_errors=True)
+    self0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    manifest = prepare([path], Path(out), workers=workers, progress=False)
+    wall = time.perf_counter() - t0
+    self1 = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    shards = [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"]]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"wall_s": wall, "text_bytes": manifest["stats"]["text_bytes"],
+            "input_bytes": sum(s["bytes"] for s in manifest["sources"]),
+            "parent_cpu_s": (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime),
+            "workers_cpu_s": kids.ru_utime + kids.ru_stime,
+            "parent_rss_mb": self1.ru_maxrss / 1024, "worker_rss_mb": kids.ru_maxrss / 1024,
+            "digest": hashlib.sha256("".join(shards).encode()).hexdigest()}
+
+
+def _run_in_fresh_process(path: str, workers: int, out: Path) -> dict:
+    code = ("import json, sys; from distlm.bench.prepare_speed import measure_one; "
+            "print('RESULT ' + json.dumps(measure_one(sys.argv[1], int(sys.argv[2]), sys.argv[3])))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-c", code, path, str(workers), str(out)], env=env,
+                          capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"prepare of {path} with {workers} workers failed:\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| shape | workers | input MB | wall s | MB/s | ratio to N x ref | parent CPU s/MB | "
+            "parent RSS MB | worker RSS MB | ref MB/s (1 process) | same bytes |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['workers']} | {r['input_mb']:.0f} | {r['wall_s']:.1f} | {r['mb_s']:.1f} | "
+                     f"{r['ratio']:.2f} | {r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | "
+                     f"{r['worker_rss_mb']:.0f} | {r['reference_mb_s']:.1f} | {r['identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
+        if os.path.exists("/proc/cpuinfo") else "?"
+    import tiktoken
+    return (f"{os.cpu_count()} cores ({cpu}), python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_speed", description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    ap.add_argument("--size-mb", type=float, default=200, help="MB of input per corpus")
+    ap.add_argument("--workers", default="1,4,8,16", help="worker counts (capped to the cores)")
+    ap.add_argument("--out", type=Path, required=True, help="folder for the corpora and the tables")
+    ap.add_argument("--source", type=Path, action="append", default=[],
+                    help="a folder whose *.txt files add paragraphs (repeatable); the bundled books always count")
+    ap.add_argument("--seed", type=int, default=0, help="for drawing paragraphs into documents")
+    args = ap.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    counts = sorted({min(int(w), cores) for w in args.workers.split(",")})
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(machine(), flush=True)
+    t0 = time.perf_counter()
+    corpora = build_corpora(shapes, args.size_mb, args.out / "corpora", args.source, args.seed)
+    print(f"corpora built in {time.perf_counter() - t0:.0f} s: {', '.join(corpora)}", flush=True)
+    rows = []
+    for name, path in corpora.items():
+        ref = reference_rate(path)
+        digests = set()
+        for w in counts:
+            r = _run_in_fresh_process(path, w, args.out / "prepared")
+            digests.add(r["digest"])
+            mb = r["input_bytes"] / 1e6
+            rows.append({"shape": name, "workers": w, "input_mb": mb, "wall_s": r["wall_s"],
+                         "mb_s": mb / r["wall_s"], "ratio": r["text_bytes"] / r["wall_s"] / (w * ref),
+                         "parent_cpu_s_per_mb": r["parent_cpu_s"] / mb, "parent_rss_mb": r["parent_rss_mb"],
+                         "worker_rss_mb": r["worker_rss_mb"], "reference_mb_s": ref / 1e6,
+                         "identical": "yes" if len(digests) == 1 else "NO"})
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    table = markdown(rows)
+    print("\n" + table)
+    (args.out / "prepare_speed.md").write_text(f"{machine()}\n\n{table}")
+    with open(args.out / "prepare_speed.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
+    return 0 if all(r["identical"] == "yes" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
