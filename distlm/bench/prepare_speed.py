@@ -13,6 +13,9 @@ process (so each run's peak RSS is its own), and reports:
 - MB/s: input bytes on disk / wall time of the ``prepare()`` call (from the first read to the
   renamed output folder; imports and worker start-up excluded, the pool start included);
 - ratio: (UTF-8 text bytes / wall) / (N x reference text bytes/s), N the worker count;
+- ratio to the N-process reference: the same rate over what N processes doing nothing but
+  ``encode_ordinary`` reach together (measured once per N, for 4 s): what the machine's cores
+  give at once, where logical CPUs share physical cores or clocks drop under load;
 - parent CPU s/MB: the ``prepare`` process's own user+system time per input MB;
 - peak RSS of the parent and of its largest worker (getrusage; both count the pages a forked
   worker shares with its parent).
@@ -26,6 +29,9 @@ Shapes (each ``--size-mb`` MB):
 - ``jsonl``: JSONL files of about 16 MB, documents of about 20 paragraphs; with pyarrow, the
   same documents as Parquet too (row ``parquet``);
 - ``huge``: one ``.txt`` file (one document: no separator) and one ``.jsonl`` file.
+
+Documents are drawn from a pool of 4096 documents of 20 random paragraphs each, so a big corpus
+repeats documents (the tokenizer does not care; repeated documents land in the same split).
 
 The corpus is written once per ``--out`` and size and reused; it is in the page cache when
 ``prepare`` reads it (on a machine with less free memory than the corpus it is not).
@@ -52,8 +58,9 @@ SHAPES = ("small-files", "jsonl", "huge")
 SMALL_FILE_BYTES = 1 << 20
 JSONL_FILE_BYTES = 16 << 20
 DOC_PARAGRAPHS = 20
+POOL_DOCS = 4096
 REFERENCE_SAMPLE = 48 << 20  # text bytes encoded for the reference rate (or the whole corpus if smaller)
-COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "parent_cpu_s_per_mb",
+COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "ceiling_ratio", "parent_cpu_s_per_mb",
            "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "identical")
 
 
@@ -74,22 +81,20 @@ def paragraphs(sources: list[Path]) -> list[str]:
 
 
 class _Documents:
-    """Documents made of randomly drawn paragraphs: the same sequence for the same seed."""
+    """Documents drawn at random from a pool of ``POOL_DOCS`` documents of ``DOC_PARAGRAPHS``
+    random paragraphs each (a pool, so that writing GBs is quick): the same sequence for the
+    same paragraphs and seed. Each as (UTF-8 text, its JSONL line)."""
 
     def __init__(self, paras: list[str], seed: int) -> None:
-        self.paras, self.rng = paras, random.Random(seed)
+        rng = random.Random(seed)
+        self.pool = []
+        for _ in range(POOL_DOCS):
+            text = "\n\n".join(rng.choices(paras, k=DOC_PARAGRAPHS))
+            self.pool.append((text.encode("utf-8"), (json.dumps({"text": text}) + "\n").encode("utf-8")))
+        self.rng = rng
 
-    def next(self, paragraphs_per_doc: int) -> str:
-        return "\n\n".join(self.rng.choices(self.paras, k=paragraphs_per_doc))
-
-    def until(self, nbytes: int) -> str:
-        """One document of at least ``nbytes`` UTF-8 bytes."""
-        parts, n = [], 0
-        while n < nbytes:
-            p = self.rng.choice(self.paras)
-            parts.append(p)
-            n += len(p.encode("utf-8")) + 2
-        return "\n\n".join(parts)
+    def draw(self) -> tuple[bytes, bytes]:
+        return self.pool[self.rng.randrange(len(self.pool))]
 
 
 def build_corpora(shapes: list[str], size_mb: float, folder: Path, sources: list[Path], seed: int = 0, *,
@@ -103,59 +108,41 @@ def build_corpora(shapes: list[str], size_mb: float, folder: Path, sources: list
     old = json.loads(stamp.read_text()) if stamp.is_file() else None
     if old and old["key"] == key:
         return old["rows"]
+    stamp.unlink(missing_ok=True)
     paras, size, rows = paragraphs(sources), int(size_mb * (1 << 20)), {}
     for shape in shapes:
         docs = _Documents(paras, seed)
         if shape == "small-files":
-            rows[shape] = _write_small_files(folder / shape, docs, size, small_file_bytes)
+            rows[shape] = _write_files(folder / shape, docs, size, small_file_bytes, ".txt")
         elif shape == "jsonl":
-            rows["jsonl"], texts = _write_jsonl_files(folder / "jsonl", docs, size, jsonl_file_bytes)
+            rows["jsonl"] = _write_files(folder / "jsonl", docs, size, jsonl_file_bytes, ".jsonl")
             if _has_pyarrow():
-                rows["parquet"] = _write_parquet(folder / "parquet", texts, jsonl_file_bytes)
+                rows["parquet"] = _write_parquet(folder / "parquet", folder / "jsonl")
         elif shape == "huge":
-            rows["huge-txt"] = _write_text(folder / "huge" / "corpus.txt", docs.until(size))
-            rows["huge-jsonl"], _ = _write_jsonl_files(folder / "huge-jsonl", docs, size, size, one_file=True)
+            rows["huge-txt"] = _write_files(folder / "huge-txt", docs, size, size, ".txt") + "/00000.txt"
+            rows["huge-jsonl"] = _write_files(folder / "huge-jsonl", docs, size, size, ".jsonl") + "/00000.jsonl"
         else:
             raise SystemExit(f"--shapes: unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
     stamp.write_text(json.dumps({"key": key, "rows": rows}))
     return rows
 
 
-def _write_text(path: Path, text: str) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(text.encode("utf-8"))
-    return str(path)
-
-
-def _write_small_files(folder: Path, docs: _Documents, size: int, file_bytes: int) -> str:
+def _write_files(folder: Path, docs: _Documents, size: int, file_bytes: int, suffix: str) -> str:
+    """Files of about ``file_bytes`` each, ``size`` bytes in all: a .txt file is one document
+    (drawn documents joined by blank lines), a .jsonl file one document a line."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     total = i = 0
     while total < size:
-        data = docs.until(min(file_bytes, size - total)).encode("utf-8")
-        (folder / f"{i:05d}.txt").write_bytes(data)
-        total, i = total + len(data), i + 1
+        with open(folder / f"{i:05d}{suffix}", "wb") as fh:
+            n = 0
+            while n < min(file_bytes, size - total):
+                text, line = docs.draw()
+                data = line if suffix == ".jsonl" else (b"\n\n" if n else b"") + text
+                fh.write(data)
+                n += len(data)
+        total, i = total + n, i + 1
     return str(folder)
-
-
-def _write_jsonl_files(folder: Path, docs: _Documents, size: int, file_bytes: int,
-                       one_file: bool = False) -> tuple[str, list[str]]:
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    texts, total, i, fh, in_file = [], 0, 0, None, 0
-    while total < size:
-        if fh is None or (not one_file and in_file >= file_bytes):
-            if fh:
-                fh.close()
-            fh, in_file, i = open(folder / f"{i:05d}.jsonl", "wb"), 0, i + 1
-        text = docs.next(DOC_PARAGRAPHS)
-        line = (json.dumps({"text": text}) + "\n").encode("utf-8")
-        fh.write(line)
-        texts.append(text)
-        total, in_file = total + len(line), in_file + len(line)
-    fh.close()
-    path = folder / "00000.jsonl" if one_file else folder
-    return str(path), texts
 
 
 def _has_pyarrow() -> bool:
@@ -166,43 +153,73 @@ def _has_pyarrow() -> bool:
     return True
 
 
-def _write_parquet(folder: Path, texts: list[str], file_bytes: int) -> str:
+def _write_parquet(folder: Path, jsonl: Path) -> str:
+    """The JSONL files' documents as Parquet files, one for each, row groups of 128 rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    per_file, start, i = max(1, len(texts) * file_bytes // max(sum(map(len, texts)), 1)), 0, 0
-    while start < len(texts):
-        chunk = texts[start:start + per_file]
-        pq.write_table(pa.table({"text": chunk}), folder / f"{i:05d}.parquet", row_group_size=128)
-        start, i = start + per_file, i + 1
+    for path in sorted(jsonl.glob("*.jsonl")):
+        with open(path, "rb") as fh:
+            texts = [json.loads(line)["text"] for line in fh]
+        pq.write_table(pa.table({"text": texts}), folder / f"{path.stem}.parquet", row_group_size=128)
     return str(folder)
 
 
-def reference_rate(path: str, sample: int = REFERENCE_SAMPLE, repeats: int = 2) -> float:
-    """Text bytes/s of one process doing nothing but ``encode_ordinary`` (GPT-2) on the first
-    ``sample`` bytes of ``path``'s documents, already in memory, in the pieces ``prepare`` feeds
-    the tokenizer; the best of ``repeats`` passes (the box may be shared)."""
+def sample_pieces(path: str, sample: int = REFERENCE_SAMPLE) -> list[str]:
+    """The first ``sample`` text bytes of ``path``'s documents, in the pieces ``prepare`` feeds
+    the tokenizer (tokenizer.split_for_encoding)."""
     from distlm.data import tokenizer as tkz
     from distlm.data.sources import iter_documents
-    tok = tkz.gpt2()
-    enc = tok.encoding
-    pieces, n = [], 0
+    tok, pieces, n = tkz.gpt2(), [], 0
     for _, text in iter_documents([path]):
         for piece in tkz.split_for_encoding(text, tok.chunk_chars):
             pieces.append(piece)
             n += len(piece.encode("utf-8"))
             if n >= sample:
-                break
-        if n >= sample:
-            break
-    best = float("inf")
+                return pieces
+    return pieces
+
+
+def reference_rate(pieces: list[str], repeats: int = 2) -> float:
+    """Text bytes/s of this one process doing nothing but ``encode_ordinary`` (GPT-2) on
+    ``pieces``, already in memory; the best of ``repeats`` passes (the machine may be shared)."""
+    from distlm.data import tokenizer as tkz
+    enc, n, best = tkz.gpt2().encoding, sum(len(p.encode("utf-8")) for p in pieces), float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for piece in pieces:
             enc.encode_ordinary(piece)
         best = min(best, time.perf_counter() - t0)
     return n / best
+
+
+def _encode_for(pieces: list[str], seconds: float, barrier, results) -> None:
+    from distlm.data import tokenizer as tkz
+    enc, n, i = tkz.gpt2().encoding, 0, 0
+    barrier.wait()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        enc.encode_ordinary(pieces[i % len(pieces)])
+        n, i = n + len(pieces[i % len(pieces)].encode("utf-8")), i + 1
+    results.put(n / (time.perf_counter() - t0))
+
+
+def parallel_reference(pieces: list[str], processes: int, seconds: float = 4.0) -> float:
+    """Text bytes/s of ``processes`` processes at once doing nothing but ``encode_ordinary``:
+    what the machine's cores give together (shared cores, clocks that drop with load)."""
+    import multiprocessing as mp
+    from distlm.data import tokenizer as tkz
+    tkz.gpt2().encoding  # noqa: B018 - built once, inherited by the forked processes
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_encode_for, args=(pieces, seconds, barrier, results)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    total = sum(results.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return total
 
 
 def measure_one(path: str, workers: int, out: str) -> dict:
@@ -239,12 +256,12 @@ def _run_in_fresh_process(path: str, workers: int, out: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| shape | workers | input MB | wall s | MB/s | ratio to N x ref | parent CPU s/MB | "
-            "parent RSS MB | worker RSS MB | ref MB/s (1 process) | same bytes |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| shape | workers | input MB | wall s | MB/s | ratio to N x ref | ratio to N-process ref | "
+            "parent CPU s/MB | parent RSS MB | worker RSS MB | ref MB/s (1 process) | same bytes |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['workers']} | {r['input_mb']:.0f} | {r['wall_s']:.1f} | {r['mb_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | "
+                     f"{r['ratio']:.2f} | {r['ceiling_ratio']:.2f} | {r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | "
                      f"{r['worker_rss_mb']:.0f} | {r['reference_mb_s']:.1f} | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
@@ -253,7 +270,10 @@ def machine() -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else "?"
     import tiktoken
-    return (f"{os.cpu_count()} cores ({cpu}), python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
+    cores = {(open(f"{d}/physical_package_id").read().strip(), open(f"{d}/core_id").read().strip())
+             for d in map(str, Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"))
+             if os.path.exists(f"{d}/core_id")}
+    return (f"{os.cpu_count()} logical CPUs on {len(cores) or '?'} physical cores ({cpu}), python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
@@ -275,9 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     corpora = build_corpora(shapes, args.size_mb, args.out / "corpora", args.source, args.seed)
     print(f"corpora built in {time.perf_counter() - t0:.0f} s: {', '.join(corpora)}", flush=True)
-    rows = []
+    rows, ceilings = [], {}
     for name, path in corpora.items():
-        ref = reference_rate(path)
+        pieces = sample_pieces(path)
+        ref = reference_rate(pieces)
+        if not ceilings:  # the shapes share their paragraphs: the first one's documents stand for all
+            ceilings = {w: parallel_reference(pieces, w) for w in counts}
+            print("tokenizer alone, N processes at once (MB/s): "
+                  + ", ".join(f"{w}: {c / 1e6:.1f} ({c / (w * ref):.2f} x N x 1 process)" for w, c in ceilings.items()),
+                  flush=True)
         digests = set()
         for w in counts:
             r = _run_in_fresh_process(path, w, args.out / "prepared")
@@ -285,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             mb = r["input_bytes"] / 1e6
             rows.append({"shape": name, "workers": w, "input_mb": mb, "wall_s": r["wall_s"],
                          "mb_s": mb / r["wall_s"], "ratio": r["text_bytes"] / r["wall_s"] / (w * ref),
+                         "ceiling_ratio": r["text_bytes"] / r["wall_s"] / ceilings[w],
                          "parent_cpu_s_per_mb": r["parent_cpu_s"] / mb, "parent_rss_mb": r["parent_rss_mb"],
                          "worker_rss_mb": r["worker_rss_mb"], "reference_mb_s": ref / 1e6,
                          "identical": "yes" if len(digests) == 1 else "NO"})
