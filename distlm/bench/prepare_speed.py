@@ -16,6 +16,8 @@ process (so each run's peak RSS is its own), and reports:
 - ratio to the N-process reference: the same rate over what N processes doing nothing but
   ``encode_ordinary`` reach together (measured once per N, for 4 s): what the machine's cores
   give at once, where logical CPUs share physical cores or clocks drop under load;
+- CPU ratio: the reference's CPU seconds per text byte over ``prepare``'s (parent and workers
+  together): the work ``prepare`` adds to tokenizing, whatever else the machine runs;
 - parent CPU s/MB: the ``prepare`` process's own user+system time per input MB;
 - peak RSS of the parent and of its largest worker (getrusage; both count the pages a forked
   worker shares with its parent).
@@ -60,7 +62,8 @@ JSONL_FILE_BYTES = 16 << 20
 DOC_PARAGRAPHS = 20
 POOL_DOCS = 4096
 REFERENCE_SAMPLE = 48 << 20  # text bytes encoded for the reference rate (or the whole corpus if smaller)
-COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "ceiling_ratio", "parent_cpu_s_per_mb",
+COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "ceiling_ratio", "cpu_ratio",
+           "parent_cpu_s_per_mb",
            "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "identical")
 
 
@@ -181,17 +184,19 @@ def sample_pieces(path: str, sample: int = REFERENCE_SAMPLE) -> list[str]:
     return pieces
 
 
-def reference_rate(pieces: list[str], repeats: int = 2) -> float:
-    """Text bytes/s of this one process doing nothing but ``encode_ordinary`` (GPT-2) on
-    ``pieces``, already in memory; the best of ``repeats`` passes (the machine may be shared)."""
+def reference_rate(pieces: list[str], repeats: int = 2) -> tuple[float, float]:
+    """Text bytes per second of this one process doing nothing but ``encode_ordinary`` (GPT-2)
+    on ``pieces``, already in memory: per wall second and per CPU second, each the best of
+    ``repeats`` passes (the machine may be shared)."""
     from distlm.data import tokenizer as tkz
-    enc, n, best = tkz.gpt2().encoding, sum(len(p.encode("utf-8")) for p in pieces), float("inf")
+    enc, n = tkz.gpt2().encoding, sum(len(p.encode("utf-8")) for p in pieces)
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for piece in pieces:
             enc.encode_ordinary(piece)
-        best = min(best, time.perf_counter() - t0)
-    return n / best
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return n / wall, n / cpu
 
 
 def _encode_for(pieces: list[str], seconds: float, barrier, results) -> None:
@@ -256,12 +261,12 @@ def _run_in_fresh_process(path: str, workers: int, out: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| shape | workers | input MB | wall s | MB/s | ratio to N x ref | ratio to N-process ref | "
+    head = ("| shape | workers | input MB | wall s | MB/s | ratio to N x ref | ratio to N-process ref | CPU ratio | "
             "parent CPU s/MB | parent RSS MB | worker RSS MB | ref MB/s (1 process) | same bytes |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['workers']} | {r['input_mb']:.0f} | {r['wall_s']:.1f} | {r['mb_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['ceiling_ratio']:.2f} | {r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | "
+                     f"{r['ratio']:.2f} | {r['ceiling_ratio']:.2f} | {r['cpu_ratio']:.2f} | {r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | "
                      f"{r['worker_rss_mb']:.0f} | {r['reference_mb_s']:.1f} | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, ceilings = [], {}
     for name, path in corpora.items():
         pieces = sample_pieces(path)
-        ref = reference_rate(pieces)
+        ref, ref_cpu = reference_rate(pieces)
         if not ceilings:  # the shapes share their paragraphs: the first one's documents stand for all
             ceilings = {w: parallel_reference(pieces, w) for w in counts}
             print("tokenizer alone, N processes at once (MB/s): "
@@ -312,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"shape": name, "workers": w, "input_mb": mb, "wall_s": r["wall_s"],
                          "mb_s": mb / r["wall_s"], "ratio": r["text_bytes"] / r["wall_s"] / (w * ref),
                          "ceiling_ratio": r["text_bytes"] / r["wall_s"] / ceilings[w],
+                         "cpu_ratio": r["text_bytes"] / ref_cpu / (r["parent_cpu_s"] + r["workers_cpu_s"]),
                          "parent_cpu_s_per_mb": r["parent_cpu_s"] / mb, "parent_rss_mb": r["parent_rss_mb"],
                          "worker_rss_mb": r["worker_rss_mb"], "reference_mb_s": ref / 1e6,
                          "identical": "yes" if len(digests) == 1 else "NO"})
