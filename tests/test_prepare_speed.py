@@ -1,0 +1,98 @@
+"""The parts of prepare that make it fast without changing a byte: hashing a huge one-document
+text file as bytes, the task size, and handing out a huge document's pieces while its hash runs."""
+import hashlib
+
+import pytest
+
+from distlm.data import prepare as prep
+from distlm.data import units
+
+TRICKY = [b"", b"\r", b"\r\n", b"\xef\xbb\xbf", b"\xef\xbb\xbfa\r\nb", b"a\r", b"a\r\r\n\r\nb\r",
+          "caf\u00e9 \u4e2d\u6587 \U0001f600\r\n".encode() * 7, b"ok \xff bad \xc3", b"\xed\xa0\x80 surrogate",
+          b"\r\n".join(f"line {i} \u00e9".encode() for i in range(50))]
+
+
+def text_digest(label: str, path: str, block: int) -> bytes:
+    digest = hashlib.blake2b(digest_size=8, key=b"7")
+    for text in units.text_blocks(label, path, block):
+        digest.update(text.encode("utf-8"))
+    return digest.digest()
+
+
+@pytest.mark.parametrize("data", TRICKY)
+def test_bytes_hash_equals_the_text_hash(data, tmp_path):
+    """Every block size, so that BOMs, '\\r\\n' pairs and multi-byte characters fall across block
+    ends; invalid UTF-8 falls back to the text path."""
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    want = text_digest("doc", str(path), 1 << 20)
+    for block in range(1, len(data) + 2):
+        got = units.hash_text_file("doc", str(path), lambda: hashlib.blake2b(digest_size=8, key=b"7"), block)
+        assert got == want, block
+
+
+def test_task_size_follows_the_corpus_not_the_workers():
+    assert prep.task_chars(10 << 30) == prep.TASK_CHARS  # big corpora: the largest tasks
+    assert prep.task_chars(600 << 20) == (600 << 20) // prep.TASKS_PER_CORPUS  # 600 MB: ~1.2 MB, 512 tasks
+    assert prep.task_chars(5 << 20) == prep.TASK_MIN_CHARS
+
+
+def test_small_files_make_many_tasks_on_a_mid_size_corpus(tmp_path, monkeypatch):
+    """600 files of 1 KB, scaled down from 600 files of 1 MB: one task per file, not 8 per task."""
+    monkeypatch.setattr(prep, "TASK_MIN_CHARS", 1000)
+    monkeypatch.setattr(prep, "TASKS_PER_CORPUS", 512)
+    for i in range(600):
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / f"{i:04d}.txt").write_text(f"document {i} " + "word " * 200)
+    seen = []
+    real = prep.plan_units
+
+    def spy(files, separator, target):
+        seen.append(target)
+        return real(files, separator, target)
+
+    monkeypatch.setattr(prep, "plan_units", spy)
+    prep.prepare([str(tmp_path / "in")], tmp_path / "out", workers=1, progress=False)
+    assert seen and seen[0] <= 1300
+
+
+def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
+    """A one-document file in 40 pieces, two workers, and room for 5 tasks ahead: when the parent
+    waits for the document's hash, every piece has been handed out already (so no worker waits
+    for the one hashing the whole file), and the output is the same as with one worker."""
+    import contextlib
+
+    from distlm.data import prepare_build
+    from distlm.data import tokenizer as tkz
+    monkeypatch.setattr(prep, "TASK_CHARS", 2000)
+    doc = tmp_path / "book.txt"
+    doc.write_text(" ".join(f"word{i}" for i in range(16000)))
+    submitted, at_hash = [], []
+
+    class Recording(tkz._Inline):
+        def run(self, fn, *args):
+            submitted.append(args[1].kind)
+            return super().run(fn, *args)
+
+    @contextlib.contextmanager
+    def executor(workers, tok):
+        yield Recording(tok)
+
+    real_result = prepare_build._result
+
+    def result(future):
+        got = real_result(future)
+        if "key" in got:
+            at_hash.append(len(submitted))
+        return got
+
+    monkeypatch.setattr(prepare_build.tkz, "open_executor", executor)
+    monkeypatch.setattr(prepare_build, "_result", result)
+    two = prep.prepare([str(doc)], tmp_path / "two", workers=2, progress=False)
+    pieces = submitted.count("piece")
+    assert pieces >= 40 and at_hash == [pieces + 1]
+    monkeypatch.undo()
+    monkeypatch.setattr(prep, "TASK_CHARS", 2000)
+    one = prep.prepare([str(doc)], tmp_path / "one", workers=1, progress=False)
+    assert [s["sha256"] for s in two["splits"]["train"]["shards"]] == \
+           [s["sha256"] for s in one["splits"]["train"]["shards"]]
