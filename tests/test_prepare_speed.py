@@ -96,3 +96,22 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     one = prep.prepare([str(doc)], tmp_path / "one", workers=1, progress=False)
     assert [s["sha256"] for s in two["splits"]["train"]["shards"]] == \
            [s["sha256"] for s in one["splits"]["train"]["shards"]]
+
+
+def test_benchmark_writes_its_table(tmp_path, monkeypatch):
+    """The speed benchmark end to end at a tiny size: a row per worker count, the same bytes at
+    each, and the table as markdown and CSV."""
+    import csv
+
+    from distlm.bench import prepare_speed
+    monkeypatch.setattr(prepare_speed, "CEILING_SECONDS", 0.3)
+    monkeypatch.setattr(prepare_speed, "REFERENCE_SAMPLE", 1 << 18)
+    rc = prepare_speed.main(["--shapes", "small-files", "--size-mb", "0.3", "--workers", "1,2,64",
+                             "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "out" / "prepare_speed.csv")))
+    cores = len(__import__("os").sched_getaffinity(0))
+    assert [int(r["workers"]) for r in rows] == sorted({1, min(2, cores), min(64, cores)})
+    assert all(r["identical"] == "yes" and float(r["mb_s"]) > 0 and float(r["ratio"]) > 0 for r in rows)
+    assert "| small-files | 1 |" in (tmp_path / "out" / "prepare_speed.md").read_text()
+    assert not (tmp_path / "out" / "corpora").exists()  # GBs of corpora stay in --work

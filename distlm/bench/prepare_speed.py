@@ -1,7 +1,7 @@
 """`prepare` speed on three corpus shapes, as a ratio to the tokenizer's own speed.
 
     python -m distlm.bench.prepare_speed --shapes small-files,jsonl,huge --size-mb 200 \
-        --workers 1,4,8,16 --out /tmp/prepare-speed
+        --workers 1,4,8,16 --out /tmp/prepare-speed [--work /tmp/prepare-corpora]
 
 An absolute MB/s says little about a machine we do not control; the ratio to what one
 process doing nothing but ``encode_ordinary`` reaches on the same documents, on the same
@@ -11,7 +11,7 @@ measures that reference rate, then runs ``prepare`` once per worker count, each 
 process (so each run's peak RSS is its own), and reports:
 
 - MB/s: input bytes on disk / wall time of the ``prepare()`` call (from the first read to the
-  renamed output folder; imports and worker start-up excluded, the pool start included);
+  renamed output folder; imports excluded, starting the worker processes included);
 - ratio: (UTF-8 text bytes / wall) / (N x reference text bytes/s), N the worker count;
 - ratio to the N-process reference: the same rate over what N processes doing nothing but
   ``encode_ordinary`` reach together (measured once per N, for 4 s): what the machine's cores
@@ -19,8 +19,8 @@ process (so each run's peak RSS is its own), and reports:
 - CPU ratio: the reference's CPU seconds per text byte over ``prepare``'s (parent and workers
   together): the work ``prepare`` adds to tokenizing, whatever else the machine runs;
 - parent CPU s/MB: the ``prepare`` process's own user+system time per input MB;
-- peak RSS of the parent and of its largest worker (getrusage; both count the pages a forked
-  worker shares with its parent).
+- peak RSS of the parent (VmHWM) and of its largest worker (getrusage); both count the pages
+  a forked worker shares with its parent.
 
 Every run's output folder is checked to be byte-identical across worker counts (the sha256 of
 each shard, as the manifest lists them).
@@ -61,7 +61,8 @@ SMALL_FILE_BYTES = 1 << 20
 JSONL_FILE_BYTES = 16 << 20
 DOC_PARAGRAPHS = 20
 POOL_DOCS = 4096
-REFERENCE_SAMPLE = 48 << 20  # text bytes encoded for the reference rate (or the whole corpus if smaller)
+REFERENCE_SAMPLE = 16 << 20
+CEILING_SECONDS = 4.0  # how long the N processes of the N-process reference encode  # text bytes encoded for the reference rate (or the whole corpus if smaller)
 COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "ceiling_ratio", "cpu_ratio",
            "parent_cpu_s_per_mb",
            "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "identical")
@@ -210,12 +211,13 @@ def _encode_for(pieces: list[str], seconds: float, barrier, results) -> None:
     results.put(n / (time.perf_counter() - t0))
 
 
-def parallel_reference(pieces: list[str], processes: int, seconds: float = 4.0) -> float:
+def parallel_reference(pieces: list[str], processes: int, seconds: float | None = None) -> float:
     """Text bytes/s of ``processes`` processes at once doing nothing but ``encode_ordinary``:
     what the machine's cores give together (shared cores, clocks that drop with load)."""
     import multiprocessing as mp
     from distlm.data import tokenizer as tkz
     tkz.gpt2().encoding  # noqa: B018 - built once, inherited by the forked processes
+    seconds = CEILING_SECONDS if seconds is None else seconds
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(processes), ctx.Queue()
     procs = [ctx.Process(target=_encode_for, args=(pieces, seconds, barrier, results)) for _ in range(processes)]
@@ -243,8 +245,18 @@ def measure_one(path: str, workers: int, out: str) -> dict:
             "input_bytes": sum(s["bytes"] for s in manifest["sources"]),
             "parent_cpu_s": (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime),
             "workers_cpu_s": kids.ru_utime + kids.ru_stime,
-            "parent_rss_mb": self1.ru_maxrss / 1024, "worker_rss_mb": kids.ru_maxrss / 1024,
+            "parent_rss_mb": _peak_rss_mb(self1), "worker_rss_mb": kids.ru_maxrss / 1024,
             "digest": hashlib.sha256("".join(shards).encode()).hexdigest()}
+
+
+def _peak_rss_mb(usage) -> float:
+    """This process's peak RSS. Linux's VmHWM, not getrusage, whose maximum carries over the
+    RSS of the process that exec'd this one (the benchmark, holding its corpora)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return usage.ru_maxrss / 1024
 
 
 def _run_in_fresh_process(path: str, workers: int, out: Path) -> dict:
@@ -287,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     ap.add_argument("--size-mb", type=float, default=200, help="MB of input per corpus")
     ap.add_argument("--workers", default="1,4,8,16", help="worker counts (capped to the cores)")
-    ap.add_argument("--out", type=Path, required=True, help="folder for the corpora and the tables")
+    ap.add_argument("--out", type=Path, required=True, help="folder for the tables")
+    ap.add_argument("--work", type=Path, help="folder for the corpora and prepared outputs (GBs; default: --out)")
     ap.add_argument("--source", type=Path, action="append", default=[],
                     help="a folder whose *.txt files add paragraphs (repeatable); the bundled books always count")
     ap.add_argument("--seed", type=int, default=0, help="for drawing paragraphs into documents")
@@ -298,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(machine(), flush=True)
     t0 = time.perf_counter()
-    corpora = build_corpora(shapes, args.size_mb, args.out / "corpora", args.source, args.seed)
+    work = args.work or args.out
+    corpora = build_corpora(shapes, args.size_mb, work / "corpora", args.source, args.seed)
     print(f"corpora built in {time.perf_counter() - t0:.0f} s: {', '.join(corpora)}", flush=True)
     rows, ceilings = [], {}
     for name, path in corpora.items():
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         digests = set()
         for w in counts:
-            r = _run_in_fresh_process(path, w, args.out / "prepared")
+            r = _run_in_fresh_process(path, w, work / "prepared")
             digests.add(r["digest"])
             mb = r["input_bytes"] / 1e6
             rows.append({"shape": name, "workers": w, "input_mb": mb, "wall_s": r["wall_s"],
