@@ -3,6 +3,8 @@
     python -m distlm.bench.prepare_speed --shapes small-files,jsonl,huge --size-mb 200 \
         --workers 1,4,8,16 --out /tmp/prepare-speed [--work /tmp/prepare-corpora]
 
+``--out`` receives only the tables (prepare_speed.md, .csv); the corpora go to ``--work``.
+
 An absolute MB/s says little about a machine we do not control; the ratio to what one
 process doing nothing but ``encode_ordinary`` reaches on the same documents, on the same
 machine, in the same run, does. For each shape this builds a corpus of ``--size-mb`` MB
@@ -52,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -297,10 +300,12 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_speed", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
-    ap.add_argument("--size-mb", type=float, default=200, help="MB of input per corpus")
+    ap.add_argument("--size-mb", type=float, default=200, help="MiB of input per corpus (2^20 bytes; the table counts MB of 10^6)")
     ap.add_argument("--workers", default="1,4,8,16", help="worker counts (capped to the cores)")
     ap.add_argument("--out", type=Path, required=True, help="folder for the tables")
-    ap.add_argument("--work", type=Path, help="folder for the corpora and prepared outputs (GBs; default: --out)")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "distlm-prepare-speed",
+                    help="folder for the corpora (kept for the next run of the same size) and prepared outputs: "
+                         "GBs, so not under --out (default: %(default)s)")
     ap.add_argument("--source", type=Path, action="append", default=[],
                     help="a folder whose *.txt files add paragraphs (repeatable); the bundled books always count")
     ap.add_argument("--seed", type=int, default=0, help="for drawing paragraphs into documents")
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(machine(), flush=True)
     t0 = time.perf_counter()
-    work = args.work or args.out
+    work = args.work
     corpora = build_corpora(shapes, args.size_mb, work / "corpora", args.source, args.seed)
     print(f"corpora built in {time.perf_counter() - t0:.0f} s: {', '.join(corpora)}", flush=True)
     rows, ceilings = [], {}
