@@ -64,8 +64,8 @@ SMALL_FILE_BYTES = 1 << 20
 JSONL_FILE_BYTES = 16 << 20
 DOC_PARAGRAPHS = 20
 POOL_DOCS = 4096
-REFERENCE_SAMPLE = 16 << 20
-CEILING_SECONDS = 4.0  # how long the N processes of the N-process reference encode  # text bytes encoded for the reference rate (or the whole corpus if smaller)
+REFERENCE_SAMPLE = 16 << 20  # text bytes encoded for the reference rate (or the whole corpus if smaller)
+CEILING_SECONDS = 4.0  # how long the N processes of the N-process reference encode
 COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "ceiling_ratio", "cpu_ratio",
            "parent_cpu_s_per_mb",
            "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "identical")
@@ -281,8 +281,9 @@ def markdown(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 13]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['workers']} | {r['input_mb']:.0f} | {r['wall_s']:.1f} | {r['mb_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['ceiling_ratio']:.2f} | {r['cpu_ratio']:.2f} | {r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | "
-                     f"{r['worker_rss_mb']:.0f} | {r['reference_mb_s']:.1f} | {r['identical']} |")
+                     f"{r['ratio']:.2f} | {r['ceiling_ratio']:.2f} | {r['cpu_ratio']:.2f} | "
+                     f"{r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | {r['worker_rss_mb']:.0f} | "
+                     f"{r['reference_mb_s']:.1f} | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -293,14 +294,16 @@ def machine() -> str:
     cores = {(open(f"{d}/physical_package_id").read().strip(), open(f"{d}/core_id").read().strip())
              for d in map(str, Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"))
              if os.path.exists(f"{d}/core_id")}
-    return (f"{os.cpu_count()} logical CPUs on {len(cores) or '?'} physical cores ({cpu}), python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
+    return (f"{os.cpu_count()} logical CPUs on {len(cores) or '?'} physical cores ({cpu}), "
+            f"python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_speed", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
-    ap.add_argument("--size-mb", type=float, default=200, help="MiB of input per corpus (2^20 bytes; the table counts MB of 10^6)")
+    ap.add_argument("--size-mb", type=float, default=200,
+                    help="MiB of input per corpus (2^20 bytes; the table counts MB of 10^6)")
     ap.add_argument("--workers", default="1,4,8,16", help="worker counts (capped to the cores)")
     ap.add_argument("--out", type=Path, required=True, help="folder for the tables")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "distlm-prepare-speed",

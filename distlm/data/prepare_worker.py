@@ -10,8 +10,8 @@ import os
 
 from distlm.data import tokenizer as tkz
 from distlm.data.sources import SourceStats, Unit, read_range, unit_documents
-from distlm.data.units import hash_text_file
 from distlm.data.split import SPLITS, TRAIN, VAL, seed_key, split_key
+from distlm.data.units import hash_text_file
 
 
 def encode_unit(tok: tkz.Tokenizer, k: int, unit: Unit, options: dict, folder: str) -> dict:
