@@ -57,10 +57,12 @@ def test_small_files_make_many_tasks_on_a_mid_size_corpus(tmp_path, monkeypatch)
 
 
 def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
-    """A one-document file in 40 pieces, two workers, and room for 5 tasks ahead: when the parent
-    waits for the document's hash, every piece has been handed out already (so no worker waits
-    for the one hashing the whole file), and the output is the same as with one worker."""
+    """A one-document file in ~75 pieces, two workers, room for 5 tasks ahead. While the document's
+    hash is still being computed, every piece is handed out (no worker waits for the one hashing the
+    whole file); once it is done, or when it is computed in this process, the bound holds again (the
+    pieces' token files do not pile up on disk). The output is the same as with one worker."""
     import contextlib
+    from concurrent.futures import Future
 
     from distlm.data import prepare_build
     from distlm.data import tokenizer as tkz
@@ -69,9 +71,25 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     doc.write_text(" ".join(f"word{i}" for i in range(16000)))
     submitted, at_hash = [], []
 
+    class Later(Future):
+        """A worker's future that finishes only when waited for: the hash is still running."""
+
+        def __init__(self, compute):
+            super().__init__()
+            self.compute = compute
+
+        def result(self, timeout=None):
+            if not self.done():
+                self.set_result(self.compute())
+            return super().result()
+
     class Recording(tkz._Inline):
+        hash_later = True
+
         def run(self, fn, *args):
             submitted.append(args[1].kind)
+            if args[1].kind == "hash" and self.hash_later:
+                return Later(lambda: fn(self.tok, *args))
             return super().run(fn, *args)
 
     @contextlib.contextmanager
@@ -90,12 +108,19 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_build, "_result", result)
     two = prep.prepare([str(doc)], tmp_path / "two", workers=2, progress=False)
     pieces = submitted.count("piece")
-    assert pieces >= 40 and at_hash == [pieces + 1]
+    assert pieces >= 70 and at_hash == [pieces + 1]
+
+    submitted.clear(), at_hash.clear()
+    Recording.hash_later = False  # a hash already done: the bound of (2 * 2 + 1) * 2000 bytes holds
+    prep.prepare([str(doc)], tmp_path / "done", workers=2, progress=False)
+    assert at_hash and at_hash[0] <= 1 + 5 + 1
+
     monkeypatch.undo()
     monkeypatch.setattr(prep, "TASK_CHARS", 2000)
     one = prep.prepare([str(doc)], tmp_path / "one", workers=1, progress=False)
-    assert [s["sha256"] for s in two["splits"]["train"]["shards"]] == \
-           [s["sha256"] for s in one["splits"]["train"]["shards"]]
+    for name in ("train", "val"):
+        assert [s["sha256"] for s in two["splits"][name]["shards"]] == \
+               [s["sha256"] for s in one["splits"][name]["shards"]]
 
 
 def test_benchmark_writes_its_table(tmp_path, monkeypatch):

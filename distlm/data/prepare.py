@@ -75,8 +75,8 @@ CACHE_CHARS = 256 << 20  # bpe:N: corpora up to this size are read once to train
 POOL_MIN_BYTES = 1 << 20  # smaller inputs: starting worker processes costs more than it saves
 # Input bytes per worker task: at most TASK_CHARS, at least TASK_MIN_CHARS, else the corpus over
 # TASKS_PER_CORPUS. Small enough that all cores stay busy to the end: with one task per core at
-# a time, the last wave leaves cores idle for about half a task, so a 600 MB corpus cut into
-# 8 MB tasks lost ~10% at 16 workers; 512 tasks make that under 2%. Big enough that the
+# a time, the last wave leaves cores idle: at 16 workers, 8 MB tasks lost ~6% of a 600 MB corpus
+# (75 tasks, 5 waves for 4.7 waves of work) and ~22% of a 200 MB one; 512 tasks make it ~2%. Big enough that the
 # per-task costs (submitting it, opening and deleting its token files: ~1 ms) are noise next to
 # tokenizing 1 MB (~100 ms), and a task's text and tokens stay a few tens of MB in a worker.
 TASK_CHARS = 8 << 20

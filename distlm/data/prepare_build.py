@@ -69,14 +69,14 @@ def _run_units(pool, units: list[Unit], start: int, build: _Build, journal: Jour
     and append each finished unit's tokens to the shards in unit order.
 
     A bound in bytes, not units, so that small units keep as many bytes in flight as big ones.
-    While the unit at the head is the hash of a document that comes in pieces, its pieces are
-    handed out regardless: the hash reads the whole file on one worker (seconds for GBs) and
+    While the unit at the head is the hash of a document that comes in pieces and is still being
+    computed, its pieces are handed out regardless: the hash reads the whole file on one worker (seconds for GBs) and
     would otherwise leave the other workers idle once the bound is reached; their token files
     wait on disk, no more than the document's own tokens."""
     pending: deque = deque()
     k, ahead, journaled = start, 0, time.monotonic()
     while k < len(units) or pending:
-        while k < len(units) and (not pending or ahead < ahead_bytes or _behind_hash(pending[0][1], units[k])):
+        while k < len(units) and (not pending or ahead < ahead_bytes or _behind_hash(pending[0], units[k])):
             pending.append((k, units[k], pool.run(encode_unit, k, units[k], options, str(folder))))
             ahead += units[k].size
             k += 1
@@ -89,9 +89,11 @@ def _run_units(pool, units: list[Unit], start: int, build: _Build, journal: Jour
         bar.update(unit.size)
 
 
-def _behind_hash(head: Unit, unit: Unit) -> bool:
-    """``unit`` is a piece of the document whose hash is ``head``."""
-    return head.kind == "hash" and unit.kind == "piece" and unit.paths == head.paths
+def _behind_hash(head: tuple, unit: Unit) -> bool:
+    """``unit`` is a piece of the document whose hash, ``head`` (index, unit, future), is still
+    being computed (once it is done, or in this process, the bound holds again)."""
+    _, first, future = head
+    return first.kind == "hash" and not future.done() and unit.kind == "piece" and unit.paths == first.paths
 
 
 def _result(future):
