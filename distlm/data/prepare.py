@@ -14,13 +14,15 @@ documents both splits are non-empty. A lone document is split by tokens instead:
 its last ``val_fraction`` goes to val.
 
 How the work is spread: ``units.plan_units`` cuts the inputs into units of about
-``TASK_CHARS`` bytes (runs of small files, ranges of big ones). A worker process reads,
+``task_chars(corpus size)`` bytes (runs of small files, ranges of big ones). A worker process reads,
 splits, hashes and tokenizes a whole unit by itself and writes its tokens to files in the
 temporary folder; the parent only appends those files to the shards, in unit order. So
 the parent does a constant amount of work per unit whatever the documents, no text goes
-through a pipe, at most ``2 * workers + 1`` units are in flight (memory does not grow with
-the corpus), shards are written as units finish, and the output is the same for any
-number of workers. The two fallbacks above need the whole corpus: they are applied at
+through a pipe, units of at most ``(2 * workers + 1) * TASK_CHARS`` input bytes are handed
+out ahead of the one being appended (memory and temporary disk do not grow with the corpus;
+the pieces of one huge document, whose split waits for its hash, are the exception: their
+token files wait on disk), shards are written as units finish, and the output is the same
+for any number of workers. The two fallbacks above need the whole corpus: they are applied at
 the end, by rewriting the shards from the one holding the moved tokens on.
 
 Resuming: the temporary folder keeps ``journal.jsonl``, a line after a finished unit about
@@ -71,10 +73,15 @@ from distlm.data.split import SPLITS, TRAIN, VAL, fallback
 # Settings read at call time from this module (tests and tools set them here).
 CACHE_CHARS = 256 << 20  # bpe:N: corpora up to this size are read once to train it; bigger ones twice
 POOL_MIN_BYTES = 1 << 20  # smaller inputs: starting worker processes costs more than it saves
-# Input bytes per worker task. Big enough that the parent's per-task work (a journal line, two
-# fsyncs, opening files) is noise; small enough that all cores stay busy to the end and a
-# task's text and tokens are a few tens of MB in a worker.
+# Input bytes per worker task: at most TASK_CHARS, at least TASK_MIN_CHARS, else the corpus over
+# TASKS_PER_CORPUS. Small enough that all cores stay busy to the end: with one task per core at
+# a time, the last wave leaves cores idle: at 16 workers, 8 MB tasks lost ~6% of a 600 MB corpus
+# (75 tasks, 5 waves for 4.7 waves of work) and ~22% of a 200 MB one; 512 tasks make it ~2%. Big enough that the
+# per-task costs (submitting it, opening and deleting its token files: ~1 ms) are noise next to
+# tokenizing 1 MB (~100 ms), and a task's text and tokens stay a few tens of MB in a worker.
 TASK_CHARS = 8 << 20
+TASK_MIN_CHARS = 1 << 20
+TASKS_PER_CORPUS = 512
 # A journal line (and the fsyncs before it) at most this often: a kill loses at most this much work,
 # and on a network file system, where an fsync can take tens of ms, syncing stays a small cost.
 JOURNAL_SECONDS = 1.0
@@ -127,7 +134,7 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
         print(f"{out_dir}: up to date")
         return old
     files = input_files([resolved[j][1] for j in chosen])
-    units = plan_units(files, separator, TASK_CHARS)
+    units = plan_units(files, separator, task_chars(sum(n for j in chosen for _, n in per_source[j])))
     plan = hashlib.sha256(json.dumps([u.as_list() for u in units]).encode()).hexdigest()
     header = {"journal": 1, "inputs": own, "plan": plan, "units": len(units)}
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -140,7 +147,8 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
             tmp.mkdir()
         workers = workers or _default_workers(sum(n for j in chosen for _, n in per_source[j]))
         body = prepare_text(inputs, out_dir, tmp, options, units, len(files), header, resumed, workers, progress,
-                            part, journal_seconds=JOURNAL_SECONDS, cache_chars=CACHE_CHARS)
+                            part, journal_seconds=JOURNAL_SECONDS, cache_chars=CACHE_CHARS,
+                            ahead_bytes=(2 * workers + 1) * TASK_CHARS)
         if part is not None:
             body["part"] = {"index": part[0], "count": part[1], "corpus_fingerprint": fingerprint,
                             **body.pop("candidates")}
@@ -249,6 +257,12 @@ def _part_members(sizes: list[int], index: int, count: int) -> list[int]:
             members.append(j)
         pos += size
     return members
+
+
+def task_chars(total_bytes: int) -> int:
+    """Input bytes per worker task for a corpus of ``total_bytes`` (see TASK_CHARS). Depends on
+    the corpus alone, not on the worker count, so a killed run resumes with any number of workers."""
+    return min(TASK_CHARS, max(TASK_MIN_CHARS, total_bytes // TASKS_PER_CORPUS))
 
 
 def _default_workers(disk_bytes: int) -> int:

