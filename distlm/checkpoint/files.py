@@ -1,10 +1,16 @@
 """The files of a checkpoint folder: which are payload, listing them, and their checksums."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO, Iterator
+
+from distlm.checkpoint.errors import CorruptCheckpoint
 
 MARKER = "distlm.json"
 # One core, a 500 MB file in the page cache, this project's 2-core CPU box (with SHA-NI):
@@ -24,6 +30,53 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _not_regular(path, mode: int) -> CorruptCheckpoint:
+    # A link may point anywhere outside the folder; a FIFO or a device would hang a read or never end.
+    return CorruptCheckpoint(f"{path}: is {file_kind(mode)}, not a regular file; a checkpoint holds only "
+                             f"regular files (refused)")
+
+
+def regular_file(path: Path) -> os.stat_result:
+    """The stat of ``path`` itself (links not followed); CorruptCheckpoint unless it is a
+    regular file. FileNotFoundError passes through."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    return st
+
+
+@contextlib.contextmanager
+def open_regular(path: Path, source: object = None) -> Iterator[IO[bytes]]:
+    """``path`` opened for reading without following a link and without blocking on a FIFO
+    (O_NOFOLLOW | O_NONBLOCK), then checked on the open descriptor to be a regular file, so
+    nothing can swap it in between. CorruptCheckpoint names ``source`` (default: the path)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _not_regular(source or path, stat.S_IFLNK) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(source or path, mode)
+        os.set_blocking(fd, True)
+        fh = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
+        yield fh
 
 
 def _is_marker_file(rel: str) -> bool:
@@ -50,7 +103,7 @@ def _file_digest(path: Path) -> tuple[int, str]:
     h, n = hashlib.new(HASH), 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         while k := f.readinto(buf):
             h.update(view[:k])
             n += k
