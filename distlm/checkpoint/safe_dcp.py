@@ -96,6 +96,11 @@ def _describe(obj) -> str:
     return f"a {type(obj).__name__}"
 
 
+# The dataclasses DCP pickles as NEWOBJ + BUILD; only these may be given state.
+_STATEFUL = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+             "BytesStorageMetadata", "ChunkStorageMetadata", "_StorageInfo"}
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """The pure-Python unpickler (its opcodes can be replaced; the C one's cannot), at about
     0.13 s per MB of metadata (a 7B model with AdamW on 64 ranks is a few MB). Globals are
@@ -133,7 +138,10 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def _load_newobj(self):
         args = self._args(self.stack.pop(), "NEWOBJ")
-        self.stack[-1] = _Made(self._callee(self.stack[-1], "NEWOBJ"), args, "new")
+        cls = self._callee(self.stack[-1], "NEWOBJ")
+        if cls.name not in _STATEFUL:  # the enum's __new__ returns its shared member
+            self.refuse(f"its NEWOBJ makes a {cls.qualname}, which DCP checkpoint metadata only makes by a call")
+        self.stack[-1] = _Made(cls, args, "new")
 
     def _load_build(self):
         state = self.stack.pop()

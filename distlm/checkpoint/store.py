@@ -21,6 +21,7 @@ What a loaded checkpoint is guaranteed to be:
 from __future__ import annotations
 
 import errno as errno_codes
+import io
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
-from distlm.checkpoint.files import MARKER, _fsync_dir, _hash_files, _listed_files, _own_files
+from distlm.checkpoint.files import MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
 from distlm.checkpoint.verify import VerifiedFiles, read_meta, verify_checkpoint, verify_files  # noqa: F401 (re-exported)
@@ -387,7 +388,8 @@ def load_model_state(ckpt: Path, model_sd: dict, verify: bool = True, memo: Opti
 
 
 def _read_rng(rng_file: Path) -> dict:
-    rng = load_weights_only(rng_file, str(rng_file))
+    with open_regular(rng_file) as fh:
+        rng = load_weights_only(io.BytesIO(fh.read()), str(rng_file))
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and rng["cpu"].dtype == torch.uint8
             and isinstance(rng.get("cuda", rng["cpu"]), torch.Tensor)):
         raise CorruptCheckpoint(f"{rng_file}: not an RNG state")
@@ -416,7 +418,7 @@ def load_checkpoint(ckpt: Path, model, optimizer=None, verify: bool = True,
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = ckpt / "rng" / f"rank_{_rank():05d}.pt"
     rng, rng_error = None, None
-    if rng_file.is_file():  # a new rank (resumed on more ranks) keeps its seeded RNG
+    if os.path.lexists(rng_file):  # a new rank (resumed on more ranks) keeps its seeded RNG
         try:
             rng = _read_rng(rng_file)
         except CheckpointError as e:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from distlm.checkpoint.errors import CorruptCheckpoint
-from distlm.checkpoint.files import HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files
+from distlm.checkpoint.files import (HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files,
+                                    open_regular, regular_file)
 from distlm.checkpoint.group import _distributed, _flag_device, _rank, _world
 from distlm.checkpoint.safe_dcp import one_line, read_dcp_metadata
 
@@ -108,11 +109,21 @@ def _marker_problem(meta, resume: bool) -> Optional[str]:
     return None
 
 
+_MARKER_LIMIT = 64 << 20  # a marker lists a few files per rank: kilobytes
+
+
 def read_meta(ckpt: Path, resume: bool = False) -> dict:
     """A checkpoint's marker, checked for the keys every reader needs (``step``, ``config``;
     with ``resume``, the trainer state too): a damaged one is a one-line CheckpointError."""
+    marker = Path(ckpt) / MARKER
     try:
-        meta = json.loads((Path(ckpt) / MARKER).read_text())
+        with open_regular(marker) as fh:
+            raw = fh.read(_MARKER_LIMIT + 1)
+        if len(raw) > _MARKER_LIMIT:
+            raise CorruptCheckpoint(f"{marker}: over {_MARKER_LIMIT >> 20} MB, not a marker distlm wrote")
+        meta = json.loads(raw)
+    except CorruptCheckpoint:
+        raise
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{ckpt}: not a complete distlm checkpoint ({e.__class__.__name__})") from None
     problem = _marker_problem(meta, resume)
@@ -152,9 +163,10 @@ def verify_files(ckpt: Path, meta: dict, collective: bool, memo: Optional[Verifi
                                 f"(added after the save)")
     for rel in rels:  # sizes first: cheap, and the same answer on every rank
         p = ckpt / rel
-        if not p.is_file():
-            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is missing")
-        size = p.stat().st_size
+        try:
+            size = regular_file(p).st_size  # a link or a FIFO is refused, never followed or read
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is missing") from None
         if size != files[rel]["bytes"]:
             raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is {size} bytes, but {files[rel]['bytes']} "
                                     f"were saved (truncated or changed)")
