@@ -276,3 +276,57 @@ def test_a_checkpoint_file_as_a_fifo_or_link_is_refused_without_hanging(name, ba
 
 if __name__ == "__main__":
     print(json.dumps(child(Path(sys.argv[1]))))
+
+
+# ---- the marker's config ------------------------------------------------------------------
+EDITS = [("n_head", '"n_head": 2', '"n_head": 4'), ("norm_eps", '"norm_eps": 1e-05', '"norm_eps": 1e-04'),
+         ("logit_softcap", '"logit_softcap": 0.0', '"logit_softcap": 1.0'),
+         ("block_size", '"block_size": 16', '"block_size": 18'), ("norm_eps", '"norm_eps": 1e-05', '"norm_eps": NaN')]
+
+
+@pytest.mark.parametrize("field,old,new", EDITS, ids=[e[2].replace('"', "").replace(" ", "") for e in EDITS])
+def test_an_edit_of_the_markers_config_is_refused_naming_the_field(field, old, new, base, tmp_path, capsys):
+    from distlm.cli import main
+    from distlm.model.load import load_model
+    folder = tmp_path / "checkpoints" / base.name
+    shutil.copytree(base, folder)
+    marker = folder / ckpt.MARKER
+    text = marker.read_text()
+    assert text.count(old) == 1, old
+    marker.write_text(text.replace(old, new))
+    with pytest.raises(CorruptCheckpoint) as e:
+        load_model(folder)  # what eval, generate and export build the model with
+    msg = str(e.value)
+    assert "\n" not in msg and str(marker) in msg and f"model.{field}" in msg, msg
+    assert main(["eval", "--checkpoint", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"model.{field}" in err[0], err
+
+
+def test_a_marker_without_the_covered_config_still_loads_with_a_note(base, tmp_path, capsys):
+    """Checkpoints saved before 2026-11-27 have checksums but no config.json: they load as
+    before, and say once that an edit of their config would go unnoticed."""
+    folder = tmp_path / "checkpoints" / base.name
+    shutil.copytree(base, folder)
+    (folder / "config.json").unlink()
+    meta = json.loads((folder / ckpt.MARKER).read_text())
+    del meta["files"]["config.json"]
+    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    memo = ckpt.VerifiedFiles()
+    ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)
+    ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)
+    err = capsys.readouterr().err
+    assert err.count("config is not covered by its checksums") == 1, err
+
+
+def test_the_saved_config_is_covered_by_the_checksums(base, tmp_path):
+    folder = tmp_path / "checkpoints" / base.name
+    shutil.copytree(base, folder)
+    meta = json.loads((folder / ckpt.MARKER).read_text())
+    assert "config.json" in meta["files"]
+    assert json.loads((folder / "config.json").read_text()) == meta["config"]
+    saved = json.loads((folder / "config.json").read_text())
+    saved["model"]["n_head"] = 4
+    (folder / "config.json").write_text(json.dumps(saved, indent=1))
+    with pytest.raises(CorruptCheckpoint, match="config.json does not match its sha256 checksum"):
+        ckpt.load_checkpoint(folder, *fresh_model())

@@ -4,6 +4,8 @@ Layout of one checkpoint, ``RUN/checkpoints/step_0000100/``:
   .metadata, __*_*.distcp   DCP: model + optimizer, keyed by fully-qualified names,
                             so any layout (1 process, DDP, FSDP2, TP) can load it
   rng/rank_00000.pt         each rank's RNG state (dropout)
+  config.json               the run config, as in the marker: covered by the checksums, so an
+                            edit of the marker's config is refused (verify.read_meta)
   distlm.json               written last: step, tokens, loader state, config, val loss,
                             and "files": {relpath: {"bytes": n, "sha256": hex}} of every file above
 
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
-from distlm.checkpoint.files import MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
+from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
 from distlm.checkpoint.verify import VerifiedFiles, read_meta, verify_checkpoint, verify_files  # noqa: F401 (re-exported)
@@ -123,6 +125,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
                 ckpt_root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
+                if "config" in meta:
+                    (tmp / CONFIG).write_text(json.dumps(meta["config"], indent=1))
             except OSError as e:
                 error = e
         _agree(error, f"cannot write checkpoint {final}")
@@ -213,6 +217,8 @@ def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict, memo: Optional
             kept = {k: v for k, v in meta.items() if k != "files"}
             if "files" in old:
                 kept["files"] = old["files"]
+            if CONFIG in old.get("files", {}):
+                kept["config"] = old["config"]  # the config its kept config.json holds
             atomic_write_text(final / MARKER, json.dumps(kept, indent=1))
             shutil.rmtree(tmp, ignore_errors=True)
             _fsync_dir(ckpt_root)
@@ -258,7 +264,7 @@ def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> d
     as saved: the marker is not among the files it lists, so they remain valid (and a
     ``memo`` that held the checkpoint as verified still does)."""
     ckpt = Path(ckpt)
-    fixed = {"files", "step", "complete"} & set(fields)
+    fixed = {"files", "step", "complete", "config"} & set(fields)
     if fixed:
         raise ValueError(f"update_meta cannot change {sorted(fixed)}: they describe what was saved")
     meta = read_meta(ckpt)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distlm.checkpoint.errors import CorruptCheckpoint
-from distlm.checkpoint.files import (HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files,
+from distlm.checkpoint.files import (CONFIG, HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files,
                                     open_regular, regular_file)
 from distlm.checkpoint.group import _distributed, _flag_device, _rank, _world
 from distlm.checkpoint.safe_dcp import one_line, read_dcp_metadata
@@ -129,7 +129,45 @@ def read_meta(ckpt: Path, resume: bool = False) -> dict:
     problem = _marker_problem(meta, resume)
     if problem:
         raise CorruptCheckpoint(f"{Path(ckpt) / MARKER}: {problem} (not written by distlm, or edited)")
+    if CONFIG in (meta.get("files") or {}):
+        _check_config(Path(ckpt), meta["config"], meta["files"][CONFIG][HASH])
     return meta
+
+
+def _leaves(tree, prefix: str = "") -> dict[str, str]:
+    """Dotted field -> its JSON text (so NaN equals NaN, and 1 differs from 1.0)."""
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: json.dumps(tree, sort_keys=True)}
+
+
+def _check_config(ckpt: Path, config: dict, checksum: str) -> None:
+    """The marker's config equals the checkpoint's config.json, whose checksum the marker
+    lists (a small file: checked here, on every read of the marker). Markers saved before
+    2026-11-27 have no config.json: their config is taken as it is, as before."""
+    saved_file = ckpt / CONFIG
+    try:
+        with open_regular(saved_file) as fh:
+            raw = fh.read(_MARKER_LIMIT + 1)
+        if hashlib.new(HASH, raw).hexdigest() != checksum:
+            raise CorruptCheckpoint(f"{ckpt}: {CONFIG} does not match its {HASH} checksum: the files changed after "
+                                    f"the save (bad disk or copy, or an edit)")
+        saved = json.loads(raw)
+    except CorruptCheckpoint:
+        raise
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{saved_file}: missing, but its {MARKER} lists it") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{saved_file}: unreadable ({e.__class__.__name__})") from None
+    if saved == config:
+        return
+    mine, theirs = _leaves(config), _leaves(saved)
+    for field in sorted(set(mine) | set(theirs)):
+        if mine.get(field) != theirs.get(field):
+            have, want = (one_line(x if x is not None else "(absent)", 60) for x in (mine.get(field), theirs.get(field)))
+            raise CorruptCheckpoint(f"{ckpt / MARKER}: config field {one_line(field, 80)} is {have}, but the "
+                                    f"checkpoint was saved with {want} ({CONFIG}, covered by its checksums): the "
+                                    f"marker was edited; refused")
 
 
 # ---- the files ---------------------------------------------------------------------------
@@ -156,6 +194,9 @@ def verify_files(ckpt: Path, meta: dict, collective: bool, memo: Optional[Verifi
     if files is None:
         note_unverified(ckpt, memo)
         return
+    if CONFIG not in files and _rank() == 0 and (memo is None or memo.first_note(f"config:{ckpt.resolve()}")):
+        print(f"note: {ckpt}'s config is not covered by its checksums (saved before 2026-11-27); an edit of it "
+              f"would go unnoticed", file=sys.stderr)
     rels = sorted(files)
     unlisted = [r for r in _listed_files(ckpt) if _is_payload(r) and r not in files]
     if unlisted:
