@@ -425,7 +425,7 @@ def read_dcp_metadata(path: Path, source: str | None = None) -> dcp_md.Metadata:
     return md
 
 
-def _weights_only_reason(e: BaseException) -> str:
+def weights_only_reason(e: BaseException) -> str:
     """torch.load(weights_only=True)'s refusal is a paragraph; keep the line that names the global."""
     text = str(e)
     m = re.search(r"GLOBAL (\S+)", text)
@@ -443,9 +443,9 @@ def load_weights_only(source, what: str):
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{what}: missing (the checkpoint is incomplete)") from None
     except pickle.UnpicklingError as e:
-        raise CorruptCheckpoint(f"{what}: refused to load: {_weights_only_reason(e)}") from None
+        raise CorruptCheckpoint(f"{what}: refused to load: {weights_only_reason(e)}") from None
     except Exception as e:
-        raise CorruptCheckpoint(f"{what}: unreadable ({e.__class__.__name__}: {_weights_only_reason(e)})") from None
+        raise CorruptCheckpoint(f"{what}: unreadable ({e.__class__.__name__}: {weights_only_reason(e)})") from None
 
 
 class SafeReader(dcp.FileSystemReader):
