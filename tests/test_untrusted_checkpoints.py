@@ -330,3 +330,22 @@ def test_the_saved_config_is_covered_by_the_checksums(base, tmp_path):
     (folder / "config.json").write_text(json.dumps(saved, indent=1))
     with pytest.raises(CorruptCheckpoint, match="config.json does not match its sha256 checksum"):
         ckpt.load_checkpoint(folder, *fresh_model())
+
+
+# ---- RNG files ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("state", ["short", "invalid-mt19937", "cuda-2d"])
+def test_an_rng_file_of_the_wrong_size_or_content_is_one_line(state, base, tmp_path):
+    folder = tmp_path / "checkpoints" / base.name
+    shutil.copytree(base, folder)
+    rng = folder / "rng" / "rank_00000.pt"
+    cpu = torch.get_rng_state()
+    value = {"short": {"cpu": cpu[:10]}, "invalid-mt19937": {"cpu": torch.full_like(cpu, 255)},
+             "cuda-2d": {"cpu": cpu, "cuda": torch.zeros(2, 8, dtype=torch.uint8)}}[state]
+    torch.save(value, rng)
+    rehash(folder)
+    before = torch.get_rng_state()
+    with pytest.raises(CorruptCheckpoint) as e:
+        ckpt.load_checkpoint(folder, *fresh_model())
+    msg = str(e.value)
+    assert "\n" not in msg and str(rng) in msg and "RNG state" in msg, msg
+    assert torch.equal(torch.get_rng_state(), before)

@@ -105,3 +105,87 @@ def test_resuming_a_run_with_a_hostile_lock_exits_2_in_one_line(kind, tmp_path, 
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
     if kind == "symlink":
         assert (tmp_path / "outside" / "precious.txt").read_text() == SECRET
+
+
+# ---- the final save, pruning, and a reader racing a pruner ------------------------------
+def failing_saves(monkeypatch, fail):
+    """store.save_checkpoint raising a full disk whenever ``fail(step)`` says so."""
+    from distlm.checkpoint import store
+    from distlm.checkpoint.errors import CheckpointSaveError
+    inner, tries = store.save_checkpoint, []
+
+    def save(root, step, *a, **k):
+        tries.append(step)
+        if fail(step, tries.count(step)):
+            raise CheckpointSaveError(f"cannot write checkpoint {root}/step_{step:07d}: No space left on device",
+                                      "No space left on device", 28)
+        return inner(root, step, *a, **k)
+    monkeypatch.setattr(store, "save_checkpoint", save)
+    return tries
+
+
+def tiny_train(root: Path, *extra: str) -> list[str]:
+    return ["train", *CLI_TINY, "train.max_steps=5", "train.checkpoint_every=2", f"log.root={root}", "log.name=r",
+            "train.on_save_error=continue", *extra]
+
+
+def test_a_final_save_that_keeps_failing_exits_3_naming_the_last_resumable_step(tmp_path, monkeypatch, capsys):
+    from distlm.cli import main
+    tries = failing_saves(monkeypatch, lambda step, n: step == 5)
+    assert main(tiny_train(tmp_path)) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "final checkpoint step_0000005 could not be written" in err[0], err
+    assert "the last step that can be resumed is 4" in err[0] and "No space left on device" in err[0], err
+    assert tries.count(5) == 2  # tried again before giving up
+
+
+def test_a_final_save_that_fails_once_is_retried_and_the_run_ends_well(tmp_path, monkeypatch, capsys):
+    from distlm.checkpoint import store
+    from distlm.cli import main
+    failing_saves(monkeypatch, lambda step, n: step == 5 and n == 1)
+    assert main(tiny_train(tmp_path)) == 0
+    final = tmp_path / "r" / "checkpoints" / "step_0000005"
+    assert store.read_meta(final)["step"] == 5
+
+
+def test_keep_last_counts_the_checkpoint_kept_from_before_a_fault(tmp_path):
+    """Four skipped NaN steps used to protect four checkpoints: keep_last=2 kept 6. Now the
+    one before the latest fault is kept, and counts among the two."""
+    from test_faults import make_trainer, nan_at, names
+    t = make_trainer(tmp_path, "k", "train.max_steps=12", "train.checkpoint_every=1", "train.keep_last=2",
+                     "train.on_nan=skip")
+    nan_at(t, 3, 5, 7, 9)
+    t.train()
+    assert names(tmp_path / "k") == ["step_0000008", "step_0000012"] and t.protected == ["step_0000008"]
+
+
+def test_an_old_runs_list_of_protected_checkpoints_keeps_only_the_latest(tmp_path):
+    from test_faults import make_trainer
+    t = make_trainer(tmp_path, "old", "train.max_steps=2")
+    state = t.state_dict()
+    t.load_state_dict({**state, "protected": ["step_0000002", "step_0000004", "step_0000006"]})
+    assert t.protected == ["step_0000006"]
+
+
+def test_a_checkpoint_pruned_while_being_read_names_the_race(tmp_path, monkeypatch, capsys):
+    from test_checkpoint_safety import fresh_model, save
+    from distlm.checkpoint import store
+    from distlm.checkpoint.errors import CheckpointError
+    from distlm.cli import main
+    root = tmp_path / "run" / "checkpoints"
+    older, newer = save(root, 2), save(root, 4)
+    inner = store.verify_files
+
+    def pruned_during_verification(ckpt, *a, **k):  # the trainer's prune, between two reads
+        if Path(ckpt) == older:
+            store._remove_checkpoint(older)
+        return inner(ckpt, *a, **k)
+    monkeypatch.setattr(store, "verify_files", pruned_during_verification)
+    with pytest.raises(CheckpointError) as e:
+        store.load_checkpoint(older, *fresh_model())
+    msg = str(e.value)
+    assert "\n" not in msg and "was pruned while being read" in msg and str(newer) in msg, msg
+    older = save(root, 2)
+    assert main(["eval", "--checkpoint", str(older)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was pruned while being read" in err[0] and "run again" in err[0], err

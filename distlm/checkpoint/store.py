@@ -43,7 +43,8 @@ from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, Corr
 from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
-from distlm.checkpoint.verify import VerifiedFiles, read_meta, verify_checkpoint, verify_files  # noqa: F401 (re-exported)
+from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
+                                     verify_files)
 from distlm.io import atomic_write_text
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
@@ -399,6 +400,13 @@ def _read_rng(rng_file: Path) -> dict:
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and rng["cpu"].dtype == torch.uint8
             and isinstance(rng.get("cuda", rng["cpu"]), torch.Tensor)):
         raise CorruptCheckpoint(f"{rng_file}: not an RNG state")
+    try:  # a wrong size or an invalid state, tried on a scratch generator, not the process's own
+        torch.Generator().set_state(rng["cpu"])
+    except RuntimeError as e:
+        raise CorruptCheckpoint(f"{rng_file}: not a CPU RNG state ({one_line(str(e).splitlines()[0], 120)})") from None
+    if "cuda" in rng and (rng["cuda"].dtype != torch.uint8 or rng["cuda"].dim() != 1
+                          or (torch.cuda.is_available() and rng["cuda"].numel() != torch.cuda.get_rng_state().numel())):
+        raise CorruptCheckpoint(f"{rng_file}: 'cuda' is not a CUDA RNG state of this torch")
     return rng
 
 
@@ -407,8 +415,16 @@ def load_checkpoint(ckpt: Path, model, optimizer=None, verify: bool = True,
     """Collective. Loads in place into whatever layout the model/optimizer now have.
     ``verify``: check the files' checksums first (cheap when ``memo`` holds the checkpoint
     as verified and unchanged). The loaded weights must be finite. Any problem is a one-line
-    CheckpointError (CorruptCheckpoint for damaged content)."""
+    CheckpointError (CorruptCheckpoint for damaged content); a checkpoint pruned while it was
+    read (`distlm eval` beside a training run) says so."""
     ckpt = Path(ckpt)
+    try:
+        return _load_checkpoint(ckpt, model, optimizer, verify, memo)
+    except CheckpointError as e:
+        raise pruned_meanwhile(ckpt) or e from None
+
+
+def _load_checkpoint(ckpt: Path, model, optimizer, verify: bool, memo: Optional[VerifiedFiles]) -> dict:
     meta = read_meta(ckpt, resume=optimizer is not None)
     if verify:
         verify_files(ckpt, meta, collective=True, memo=memo)
@@ -465,16 +481,20 @@ def newest_good_checkpoint(ckpt_root: Path, memo: Optional[VerifiedFiles] = None
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_also: list[Path] = (),
-                      memo: Optional[VerifiedFiles] = None) -> list[Path]:
+                      memo: Optional[VerifiedFiles] = None, protect: Optional[Path] = None) -> list[Path]:
     """Delete old complete checkpoints beyond the newest keep_last and those in keep_also
-    (the best, the last before a fault). Never deleted: the newest complete one, and the
+    (the best). ``protect`` (the last one before a fault) counts among the keep_last: with
+    keep_last=2 the newest and it are kept. Never deleted: the newest complete one, and the
     newest one that verifies; when none verifies, nothing is deleted. Torn folders are left
     for a person to look at. Rank 0 only."""
     complete, _ = list_checkpoints(ckpt_root)
     good = newest_good_checkpoint(ckpt_root, memo) if complete else None
     if good is None:
         return []
-    keep = set(complete[-max(1, keep_last):]) | {Path(p) for p in keep_also} | {good}
+    newest = complete[-max(1, keep_last):]
+    if protect is not None and Path(protect) in complete and Path(protect) not in newest:
+        newest = complete[-max(1, keep_last - 1):]
+    keep = set(newest) | {Path(p) for p in keep_also} | {good} | ({Path(protect)} if protect else set())
     removed = []
     for p in complete:
         if p not in keep:

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from distlm.checkpoint.errors import CorruptCheckpoint
+from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint
 from distlm.checkpoint.files import (CONFIG, HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files,
                                     open_regular, regular_file)
 from distlm.checkpoint.group import _distributed, _flag_device, _rank, _world
@@ -124,6 +124,9 @@ def read_meta(ckpt: Path, resume: bool = False) -> dict:
         meta = json.loads(raw)
     except CorruptCheckpoint:
         raise
+    except FileNotFoundError:
+        raise pruned_meanwhile(Path(ckpt)) or CorruptCheckpoint(
+            f"{ckpt}: not a complete distlm checkpoint (FileNotFoundError)") from None
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{ckpt}: not a complete distlm checkpoint ({e.__class__.__name__})") from None
     problem = _marker_problem(meta, resume)
@@ -132,6 +135,24 @@ def read_meta(ckpt: Path, resume: bool = False) -> dict:
     if CONFIG in (meta.get("files") or {}):
         _check_config(Path(ckpt), meta["config"], meta["files"][CONFIG][HASH])
     return meta
+
+
+def pruned_meanwhile(ckpt: Path) -> Optional[CheckpointError]:
+    """The error to give when a checkpoint's files vanish while it is read: a training run
+    writing the same folder pruned it (it keeps train.keep_last), and a newer one is there.
+    None when it does not look like that race."""
+    ckpt = Path(ckpt)
+    if os.path.lexists(ckpt / MARKER) or not ckpt.name.startswith("step_"):
+        return None
+    try:
+        newer = sorted(p for p in ckpt.parent.iterdir() if p.name.startswith("step_") and p.name > ckpt.name
+                       and (p / MARKER).is_file())
+    except OSError:
+        newer = []
+    if not newer:
+        return None
+    return CheckpointError(f"{ckpt}: was pruned while being read (a training run is saving newer checkpoints in "
+                           f"{ckpt.parent} and keeps only train.keep_last); run again to read the newest, {newer[-1]}")
 
 
 def _leaves(tree, prefix: str = "") -> dict[str, str]:
