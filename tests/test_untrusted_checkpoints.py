@@ -86,7 +86,8 @@ def shared_state() -> dict:
             out[f"{module}.{name}"] = sorted(vars(obj))
         elif isinstance(obj, torch.dtype):
             out[f"{module}.{name}"] = [str(obj), obj.itemsize, obj.is_floating_point]
-    out["layouts"] = sorted(str(v) for v in getattr(_get_layout, "cache", {}).values())
+    _get_layout("torch.strided")  # fills its cache on first use: not a change a load made
+    out["layouts"] = sorted(f"{k}={v}" for k, v in _get_layout.cache.items())
     out["TensorProperties pickle"] = pickle.dumps(md.TensorProperties()).hex()
     return out
 

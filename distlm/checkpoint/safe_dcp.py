@@ -48,6 +48,7 @@ _DTYPES = _dtype_names()
 
 # What the .metadata of a model + AdamW checkpoint names (single process, DDP, FSDP2 and TP
 # layouts alike): read off real checkpoints with pickletools, nothing added on speculation.
+# The unpickler hands out only the names (_Global); _Rebuild makes each object itself.
 ALLOWED_GLOBALS: dict[tuple[str, str], object] = {
     **{("torch.distributed.checkpoint.metadata", cls.__name__): cls for cls in (
         dcp_md.Metadata, dcp_md.MetadataIndex, dcp_md.StorageMeta, dcp_md.TensorProperties,

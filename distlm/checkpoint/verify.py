@@ -185,7 +185,7 @@ def _check_config(ckpt: Path, config: dict, checksum: str) -> None:
     mine, theirs = _leaves(config), _leaves(saved)
     for field in sorted(set(mine) | set(theirs)):
         if mine.get(field) != theirs.get(field):
-            have, want = (one_line(x if x is not None else "(absent)", 60) for x in (mine.get(field), theirs.get(field)))
+            have, want = (one_line(theirs_or_mine.get(field, "(absent)"), 60) for theirs_or_mine in (mine, theirs))
             raise CorruptCheckpoint(f"{ckpt / MARKER}: config field {one_line(field, 80)} is {have}, but the "
                                     f"checkpoint was saved with {want} ({CONFIG}, covered by its checksums): the "
                                     f"marker was edited; refused")
