@@ -350,3 +350,15 @@ def test_an_rng_file_of_the_wrong_size_or_content_is_one_line(state, base, tmp_p
     msg = str(e.value)
     assert "\n" not in msg and str(rng) in msg and "RNG state" in msg, msg
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_linked_checkpoint_folder_is_never_picked_from_a_run(base, tmp_path):
+    """`distlm eval RUN` takes the newest complete checkpoint: one that is a link to a folder
+    elsewhere is not read (it counts as torn), the newest real one is."""
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(base, root / base.name)
+    elsewhere = tmp_path / "elsewhere" / "step_0000009"
+    shutil.copytree(base, elsewhere)
+    os.symlink(elsewhere, root / "step_0000009")
+    assert ckpt.resolve_checkpoint(tmp_path / "run") == root / base.name
+    assert ckpt.list_checkpoints(root) == ([root / base.name], [root / "step_0000009"])

@@ -279,12 +279,13 @@ def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> d
 
 # ---- finding checkpoints -----------------------------------------------------------------
 def list_checkpoints(ckpt_root: Path) -> tuple[list[Path], list[Path]]:
-    """(complete checkpoints oldest first, torn folders)."""
+    """(complete checkpoints oldest first, torn folders: no marker, or a link)."""
     complete, torn = [], []
     if not Path(ckpt_root).is_dir():
         return complete, torn
     for p in sorted(Path(ckpt_root).iterdir()):
-        if p.name.startswith("step_") and (p / MARKER).is_file():
+        # a link is never followed out of the run folder: it counts as torn, left alone
+        if p.name.startswith("step_") and not p.is_symlink() and (p / MARKER).is_file():
             complete.append(p)
         elif p.name.startswith(("step_", ".tmp-step_")):
             torn.append(p)
@@ -318,7 +319,7 @@ def _auto_candidates(run_dir: Path, say, memo: Optional[VerifiedFiles]) -> Itera
     root = Path(run_dir) / "checkpoints"
     complete, torn = list_checkpoints(root)
     for p in torn:
-        say(f"resume: skipping incomplete checkpoint {p} (no {MARKER})")
+        say(f"resume: skipping incomplete checkpoint {p} ({'a link' if p.is_symlink() else 'no ' + MARKER})")
     if not complete:
         say(f"resume=auto: no checkpoint in {run_dir}, starting from step 0")
         return
