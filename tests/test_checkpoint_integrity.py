@@ -437,12 +437,15 @@ def test_full_disk_keeps_the_previous_checkpoint(small_fs):
 def test_trainer_on_a_full_tmpfs_follows_on_save_error(small_fs, capsys):
     """The issue's case: a filesystem too small for even the first checkpoint. DCP fails with
     its wrapped inline_container error; `continue` trains to the end and says why each save
-    failed, `stop` stops with one line naming the cause."""
+    failed, then stops (exit 3) when the final save fails again; `stop` stops with one line
+    naming the cause."""
     from distlm.train.trainer import TrainingStopped
     from test_faults import make_trainer
     root = small_fs("128k")
     t = make_trainer(root, "cont", "train.max_steps=4", "train.checkpoint_every=2", "train.on_save_error=continue")
-    assert t.train()["step"] == 4
+    with pytest.raises(TrainingStopped) as e:  # the final save fails twice: the run must not end as if done
+        t.train()
+    assert t.step == 4 and "no step can be resumed" in one_line(e.value)
     out = capsys.readouterr().out
     assert "warning: cannot write checkpoint step_0000002" in out and "training goes on" in out
     assert "disk full" in out or "No space left on device" in out

@@ -5,6 +5,13 @@ from __future__ import annotations
 from typing import Optional
 
 
+def one_line(text: object, limit: int = 200) -> str:
+    """Text from a file (a global's name, an error message) made safe for a one-line error:
+    control characters escaped, length capped."""
+    s = str(text).encode("unicode_escape").decode("ascii")
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
 class CheckpointError(ValueError):
     """A checkpoint cannot be used (or written). The message is one line: the CLI prints
     it as ``error: ...`` and exits 2."""

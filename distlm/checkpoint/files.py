@@ -1,12 +1,22 @@
 """The files of a checkpoint folder: which are payload, listing them, and their checksums."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO, Iterator
+
+from distlm.checkpoint.errors import CorruptCheckpoint
 
 MARKER = "distlm.json"
+# The run config the checkpoint was saved with, a file of its own so that the checksums in
+# the marker cover it: the marker's own "config" must equal it (verify.read_meta), so an
+# edit of n_head or norm_eps in distlm.json is refused instead of building another model.
+CONFIG = "config.json"
 # One core, a 500 MB file in the page cache, this project's 2-core CPU box (with SHA-NI):
 # sha256 1218 MB/s, blake2b 714 MB/s, zlib.crc32 2884 MB/s, plain read 7882 MB/s.
 # sha256: a cryptographic hash at 40% of crc32's speed, and `sha256sum` checks a checkpoint
@@ -26,13 +36,61 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _not_regular(path, mode: int) -> CorruptCheckpoint:
+    # A link may point anywhere outside the folder; a FIFO or a device would hang a read or never end.
+    return CorruptCheckpoint(f"{path}: is {file_kind(mode)}, not a regular file; a checkpoint holds only "
+                             f"regular files (refused)")
+
+
+def regular_file(path: Path) -> os.stat_result:
+    """The stat of ``path`` itself (links not followed); CorruptCheckpoint unless it is a
+    regular file. FileNotFoundError passes through."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    return st
+
+
+@contextlib.contextmanager
+def open_regular(path: Path, source: object = None) -> Iterator[IO[bytes]]:
+    """``path`` opened for reading without following a link and without blocking on a FIFO
+    (O_NOFOLLOW | O_NONBLOCK), then checked on the open descriptor to be a regular file, so
+    nothing can swap it in between. CorruptCheckpoint names ``source`` (default: the path)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _not_regular(source or path, stat.S_IFLNK) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(source or path, mode)
+        os.set_blocking(fd, True)
+        fh = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
+        yield fh
+
+
 def _is_marker_file(rel: str) -> bool:
     return rel == MARKER or rel.startswith(f".{MARKER}.tmp-")
 
 
 def _is_payload(rel: str) -> bool:
     """A file some load reads: it must be listed, with its checksum, in the marker."""
-    return rel.endswith((".metadata", ".distcp")) or (rel.startswith("rng/") and rel.endswith(".pt"))
+    return (rel.endswith((".metadata", ".distcp")) or (rel.startswith("rng/") and rel.endswith(".pt"))
+            or rel == CONFIG)
 
 
 def _listed_files(folder: Path) -> list[str]:
@@ -50,7 +108,7 @@ def _file_digest(path: Path) -> tuple[int, str]:
     h, n = hashlib.new(HASH), 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         while k := f.readinto(buf):
             h.update(view[:k])
             n += k

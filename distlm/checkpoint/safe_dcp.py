@@ -4,12 +4,16 @@ torch.distributed.checkpoint reads a checkpoint's ``.metadata`` with plain ``pic
 its non-tensor entries (optimizer param_groups) with ``torch.load(weights_only=False)``: a
 crafted checkpoint could execute anything on load. Here:
 
-- ``.metadata`` goes through an unpickler that resolves a global only when its exact
-  (module, name) pair is in ``ALLOWED_GLOBALS``: DCP's metadata classes and the few torch
-  and pathlib types they hold. The lookup is a dictionary lookup, so a dotted name
-  ("os.system" under an allowed module) is refused instead of walked attribute by attribute;
-  and the pickle's BUILD step may not set attributes on those classes or functions
-  themselves, so a file cannot re-wire them for later loads.
+- ``.metadata`` goes through an unpickler that never hands out a real object: a global
+  resolves only when its exact (module, name) pair is in ``ALLOWED_GLOBALS``, and then only
+  to its name; REDUCE and NEWOBJ record what they would make instead of calling anything;
+  BUILD, SETITEM(S), APPEND(S) and ADDITEMS reach only records and containers that load made.
+  The plain tree is then rebuilt, field by field and checked, into fresh DCP objects. So a
+  file can neither run code nor change an object that outlives the load (an enum member
+  every later save pickles, a dtype, a class): before 2026-11-27 a BUILD on the contiguous
+  memory-format member made every later checkpoint of the process unreadable.
+- every data file the metadata names is a ``.distcp`` file in the checkpoint folder itself,
+  a regular file (not a link out of the folder, not a FIFO that would hang the read).
 - byte entries and the per-rank RNG files go through ``torch.load(weights_only=True)``.
 
 Every refusal and every unreadable file is a one-line ``CheckpointError`` naming the file
@@ -20,7 +24,6 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import types
 from pathlib import Path, PosixPath
 
 import torch
@@ -31,7 +34,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.serialization import _get_layout
 
-from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint, one_line
+from distlm.checkpoint.files import open_regular, regular_file
 
 
 def _dtype_names() -> dict[str, torch.dtype]:
@@ -39,8 +43,12 @@ def _dtype_names() -> dict[str, torch.dtype]:
     return {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype) and str(v) == f"torch.{name}"}
 
 
+_DTYPES = _dtype_names()
+
+
 # What the .metadata of a model + AdamW checkpoint names (single process, DDP, FSDP2 and TP
 # layouts alike): read off real checkpoints with pickletools, nothing added on speculation.
+# The unpickler hands out only the names (_Global); _Rebuild makes each object itself.
 ALLOWED_GLOBALS: dict[tuple[str, str], object] = {
     **{("torch.distributed.checkpoint.metadata", cls.__name__): cls for cls in (
         dcp_md.Metadata, dcp_md.MetadataIndex, dcp_md.StorageMeta, dcp_md.TensorProperties,
@@ -50,51 +58,354 @@ ALLOWED_GLOBALS: dict[tuple[str, str], object] = {
     ("torch.serialization", "_get_layout"): _get_layout,  # a str -> torch.layout lookup, nothing else
     ("torch", "Size"): torch.Size,
     ("pathlib", "PosixPath"): PosixPath,  # StorageMeta.checkpoint_id
-    **{("torch", name): dtype for name, dtype in _dtype_names().items()},
+    **{("torch", name): dtype for name, dtype in _DTYPES.items()},
 }
-_ALLOWED_IDS = {id(v) for v in ALLOWED_GLOBALS.values()}
 
 
-def one_line(text: object, limit: int = 200) -> str:
-    """Text from a file (a global's name, an error message) made safe for a one-line error:
-    control characters escaped, length capped."""
-    s = str(text).encode("unicode_escape").decode("ascii")
-    return s if len(s) <= limit else s[:limit] + "..."
+class _Global:
+    """A global the pickle names, kept as its name. The unpickler never hands out the real
+    class, function, enum or dtype: no later opcode (BUILD, SETITEM, APPENDS) can reach an
+    object that outlives the load. A fresh one per lookup."""
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+_UNSET = object()
+
+
+class _Made:
+    """What the pickle made of an allowed global, as plain data: the global, its arguments,
+    ``by`` ("call" for REDUCE, "new" for NEWOBJ) and the state a BUILD gave it. Nothing is
+    called; _Rebuild turns the tree into fresh DCP objects."""
+    __slots__ = ("cls", "args", "by", "state")
+
+    def __init__(self, cls: _Global, args: tuple, by: str):
+        self.cls, self.args, self.by, self.state = cls, args, by, _UNSET
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, _Global):
+        return one_line(obj.qualname, 100)
+    if isinstance(obj, _Made):
+        return f"a {one_line(obj.cls.name, 80)} it made"
+    return f"a {type(obj).__name__}"
+
+
+# The dataclasses DCP pickles as NEWOBJ + BUILD; only these may be given state.
+_STATEFUL = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+             "BytesStorageMetadata", "ChunkStorageMetadata", "_StorageInfo"}
 
 
 class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler: its BUILD step can be guarded (the C one cannot be), at
-    about 0.13 s per MB of metadata (a 7B model with AdamW on 64 ranks is a few MB)."""
+    """The pure-Python unpickler (its opcodes can be replaced; the C one's cannot), at about
+    0.13 s per MB of metadata (a 7B model with AdamW on 64 ranks is a few MB). Globals are
+    looked up by exact (module, name) pair and come back as _Global names; REDUCE and NEWOBJ
+    make _Made records instead of calling anything; BUILD may only give state to a record
+    NEWOBJ made in this load, and SETITEM(S), APPEND(S) and ADDITEMS only fill containers this
+    load built. So every object the pickle can touch is one it created itself."""
 
     def __init__(self, file, source: str):
         super().__init__(file)
         self.source = source
 
+    def refuse(self, why: str):
+        raise CorruptCheckpoint(f"{self.source}: refused to load: {why}")
+
     def find_class(self, module, name):
-        obj = ALLOWED_GLOBALS.get((module, name))
-        if obj is None:
-            raise CorruptCheckpoint(f"{self.source}: refused to load: it names the global {one_line(module, 80)}."
-                                  f"{one_line(name, 80)}, which DCP checkpoint metadata never holds")
+        if (module, name) not in ALLOWED_GLOBALS:
+            self.refuse(f"it names the global {one_line(module, 80)}.{one_line(name, 80)}, which DCP checkpoint "
+                        f"metadata never holds")
+        return _Global(module, name)
+
+    def _callee(self, obj, op: str) -> _Global:
+        if not isinstance(obj, _Global):
+            self.refuse(f"its {op} applies {_describe(obj)}, which is not a class or function")
         return obj
 
-    def _guarded_build(self):
-        target = self.stack[-2] if len(self.stack) >= 2 else None
-        if id(target) in _ALLOWED_IDS or isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType,
-                                                             types.ModuleType)):
-            raise CorruptCheckpoint(f"{self.source}: refused to load: it tries to set attributes of "
-                                  f"{one_line(getattr(target, '__qualname__', type(target).__name__), 80)} itself")
-        pickle._Unpickler.dispatch[pickle.BUILD[0]](self)
+    def _args(self, args, op: str) -> tuple:
+        if type(args) is not tuple:
+            self.refuse(f"its {op} passes {_describe(args)} as arguments")
+        return args
+
+    def _load_reduce(self):
+        args = self._args(self.stack.pop(), "REDUCE")
+        self.stack[-1] = _Made(self._callee(self.stack[-1], "REDUCE"), args, "call")
+
+    def _load_newobj(self):
+        args = self._args(self.stack.pop(), "NEWOBJ")
+        cls = self._callee(self.stack[-1], "NEWOBJ")
+        if cls.name not in _STATEFUL:  # the enum's __new__ returns its shared member
+            self.refuse(f"its NEWOBJ makes a {cls.qualname}, which DCP checkpoint metadata only makes by a call")
+        self.stack[-1] = _Made(cls, args, "new")
+
+    def _load_build(self):
+        state = self.stack.pop()
+        target = self.stack[-1]
+        if isinstance(target, _Global):
+            self.refuse(f"it tries to set attributes of {target.qualname} itself")
+        if not isinstance(target, _Made) or target.by != "new":
+            # A call's result may be a shared object: _MEM_FORMAT_ENCODING(0) is the enum
+            # member every later save pickles, torch.float32 the dtype itself.
+            self.refuse(f"it tries to set attributes of {_describe(target)}, which may outlive the load "
+                        f"(an enum member, a dtype)")
+        if target.state is not _UNSET:
+            self.refuse(f"it sets the state of {_describe(target)} twice")
+        target.state = state
+
+    def _container(self, target, kind: type, op: str):
+        if type(target) is not kind:
+            self.refuse(f"its {op} writes into {_describe(target)}, not a {kind.__name__} it built")
+        return target
+
+    def _load_setitem(self):
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._container(self.stack[-1], dict, "SETITEM")[key] = value
+
+    def _load_setitems(self):
+        items = self.pop_mark()
+        target = self._container(self.stack[-1], dict, "SETITEMS")
+        for i in range(0, len(items) - 1, 2):
+            target[items[i]] = items[i + 1]
+
+    def _load_append(self):
+        value = self.stack.pop()
+        self._container(self.stack[-1], list, "APPEND").append(value)
+
+    def _load_appends(self):
+        items = self.pop_mark()
+        self._container(self.stack[-1], list, "APPENDS").extend(items)
+
+    def _load_additems(self):
+        items = self.pop_mark()
+        self._container(self.stack[-1], set, "ADDITEMS").update(items)
+
+    def _never(op: str):
+        def refuse(self):
+            self.refuse(f"it uses the pickle opcode {op}, which DCP checkpoint metadata never holds")
+        return refuse
 
     dispatch = dict(pickle._Unpickler.dispatch)
-    dispatch[pickle.BUILD[0]] = _guarded_build
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.APPEND[0]] = _load_append
+    dispatch[pickle.APPENDS[0]] = _load_appends
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+    for _op in ("NEWOBJ_EX", "INST", "OBJ", "PERSID", "BINPERSID"):
+        dispatch[getattr(pickle, _op)[0]] = _never(_op)
+    del _op, _never
+
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+# TensorProperties pickles its memory format as this enum's value (torch.memory_format
+# cannot be pickled); the same table as its __setstate__, read once here.
+_MEMORY_FORMATS = {dcp_md._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT.value: torch.contiguous_format,
+                   dcp_md._MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST.value: torch.channels_last,
+                   dcp_md._MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT.value: torch.preserve_format}
+_MD = "torch.distributed.checkpoint.metadata"
+_MAX_DIM = 1 << 62
+
+
+class _Rebuild:
+    """The plain tree the unpickler made -> a fresh dcp Metadata, every value checked for
+    its type and range. Each object DCP gets is built here, by its constructor."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, where: str, what: str):
+        raise CorruptCheckpoint(f"{self.source}: not DCP checkpoint metadata: {one_line(where, 120)} {what}")
+
+    def made(self, x, where: str, module: str, name: str, by: str) -> _Made:
+        if not (isinstance(x, _Made) and (x.cls.module, x.cls.name) == (module, name) and x.by == by):
+            self.fail(where, f"is {_describe(x)}, not a {name}")
+        return x
+
+    def fields(self, x, where: str, module: str, name: str, allowed: tuple, required: tuple = ()) -> dict:
+        """The attributes a NEWOBJ + BUILD gave a dataclass (state: a dict, or (dict, slots))."""
+        x = self.made(x, where, module, name, "new")
+        if x.args != ():
+            self.fail(where, f"passes arguments to {name}")
+        state = {} if x.state is _UNSET else x.state
+        if type(state) is tuple and len(state) == 2:
+            parts = [s for s in state if s is not None]
+            if not all(type(s) is dict for s in parts):
+                self.fail(where, f"gives {name} a state that is not a dict")
+            state = {k: v for s in parts for k, v in s.items()}
+        if type(state) is not dict:
+            self.fail(where, f"gives {name} a state that is not a dict")
+        unknown = [k for k in state if k not in allowed]
+        if unknown:
+            self.fail(where, f"gives {name} the field {one_line(unknown[0], 60)}")
+        missing = [k for k in required if k not in state]
+        if missing:
+            self.fail(where, f"has no {missing[0]}")
+        return state
+
+    def text(self, x, where: str, optional: bool = False):
+        if optional and x is None:
+            return None
+        if type(x) is not str:
+            self.fail(where, f"is {_describe(x)}, not a string")
+        return str(x)
+
+    def count(self, x, where: str, optional: bool = False):
+        if optional and x is None:
+            return None
+        if type(x) is not int or not 0 <= x < _MAX_DIM:
+            self.fail(where, f"is {one_line(repr(x), 40) if type(x) is int else _describe(x)}, not a count")
+        return int(x)
+
+    def flag(self, x, where: str) -> bool:
+        if type(x) is not bool:
+            self.fail(where, f"is {_describe(x)}, not true/false")
+        return bool(x)
+
+    def size(self, x, where: str, optional: bool = False):
+        if optional and x is None:
+            return None
+        x = self.made(x, where, "torch", "Size", "call")
+        if len(x.args) != 1 or type(x.args[0]) not in (tuple, list):
+            self.fail(where, "is not a torch.Size of a tuple")
+        return torch.Size([self.count(v, f"{where}[{i}]") for i, v in enumerate(x.args[0])])
+
+    def metadata(self, x) -> dcp_md.Metadata:
+        s = self.fields(x, "the top", _MD, "Metadata", ("state_dict_metadata", "planner_data", "storage_data",
+                                                      "storage_meta", "version"), ("state_dict_metadata",))
+        entries = s["state_dict_metadata"]
+        if type(entries) is not dict:
+            self.fail("state_dict_metadata", "is not a dict")
+        return dcp_md.Metadata(
+            state_dict_metadata={self.text(k, "a state_dict_metadata key"): self.entry(v, f"entry '{k}'")
+                                 for k, v in entries.items()},
+            planner_data=self.planner_data(s.get("planner_data")),
+            storage_data=self.storage_data(s.get("storage_data")),
+            storage_meta=self.storage_meta(s.get("storage_meta")),
+            version=self.text(s.get("version"), "version", optional=True))
+
+    def entry(self, x, where: str):
+        if isinstance(x, _Made) and x.cls.name == "BytesStorageMetadata":
+            self.fields(x, where, _MD, "BytesStorageMetadata", ())
+            return dcp_md.BytesStorageMetadata()
+        s = self.fields(x, where, _MD, "TensorStorageMetadata", ("properties", "size", "chunks"),
+                        ("properties", "size", "chunks"))
+        size = self.size(s["size"], f"{where} size")
+        if type(s["chunks"]) is not list:
+            self.fail(f"{where} chunks", "is not a list")
+        chunks = [self.chunk(c, f"{where} chunk {i}", size) for i, c in enumerate(s["chunks"])]
+        return dcp_md.TensorStorageMetadata(properties=self.properties(s["properties"], where), size=size,
+                                            chunks=chunks)
+
+    def chunk(self, x, where: str, size: torch.Size) -> dcp_md.ChunkStorageMetadata:
+        s = self.fields(x, where, _MD, "ChunkStorageMetadata", ("offsets", "sizes"), ("offsets", "sizes"))
+        offsets, sizes = self.size(s["offsets"], f"{where} offsets"), self.size(s["sizes"], f"{where} sizes")
+        if not (len(offsets) == len(sizes) == len(size)
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+            self.fail(where, f"(offsets {list(offsets)}, sizes {list(sizes)}) lies outside the tensor's "
+                             f"{list(size)}")
+        return dcp_md.ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+
+    def properties(self, x, where: str) -> dcp_md.TensorProperties:
+        # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory format, pin_memory)
+        x = self.made(x, f"{where} properties", _MD, "TensorProperties", "new")
+        if x.args != () or type(x.state) is not tuple or len(x.state) != 5:
+            self.fail(f"{where} properties", "are not (dtype, layout, requires_grad, memory format, pin_memory)")
+        dtype, layout, requires_grad, fmt, pin = x.state
+        if not (isinstance(dtype, _Global) and dtype.module == "torch" and dtype.name in _DTYPES):
+            self.fail(f"{where} dtype", f"is {_describe(dtype)}, not a torch dtype")
+        layout = self.made(layout, f"{where} layout", "torch.serialization", "_get_layout", "call")
+        if len(layout.args) != 1 or layout.args[0] not in _LAYOUTS:
+            self.fail(f"{where} layout", "is not a torch layout")
+        fmt = self.made(fmt, f"{where} memory format", _MD, "_MEM_FORMAT_ENCODING", "call")
+        if len(fmt.args) != 1 or type(fmt.args[0]) is not int or fmt.args[0] not in _MEMORY_FORMATS:
+            self.fail(f"{where} memory format", f"is {one_line(repr(fmt.args), 40)}, not a memory format")
+        return dcp_md.TensorProperties(dtype=_DTYPES[dtype.name], layout=_LAYOUTS[layout.args[0]],
+                                       requires_grad=self.flag(requires_grad, f"{where} requires_grad"),
+                                       memory_format=_MEMORY_FORMATS[fmt.args[0]],
+                                       pin_memory=self.flag(pin, f"{where} pin_memory"))
+
+    def planner_data(self, x):
+        """DefaultSavePlanner's: each flattened key -> its path in the state dict (str and int parts)."""
+        if x is None:
+            return None
+        if type(x) is not dict:
+            self.fail("planner_data", "is not a dict")
+        out = {}
+        for k, path in x.items():
+            if type(path) not in (tuple, list) or not all(type(p) in (str, int) for p in path):
+                self.fail(f"planner_data '{self.text(k, 'a planner_data key')}'", "is not a path of names")
+            out[k] = tuple(path)
+        return out
+
+    def storage_data(self, x):
+        if x is None:
+            return None
+        if type(x) is not dict:
+            self.fail("storage_data", "is not a dict")
+        return {self.index(k): self.storage_info(v, f"storage of {self.index(k).fqn}") for k, v in x.items()}
+
+    def index(self, x) -> dcp_md.MetadataIndex:
+        s = self.fields(x, "a storage_data key", _MD, "MetadataIndex", ("fqn", "offset", "index"), ("fqn",))
+        return dcp_md.MetadataIndex(fqn=self.text(s["fqn"], "a storage_data key"),
+                                    offset=self.size(s.get("offset"), "a storage_data offset", optional=True),
+                                    index=self.count(s.get("index"), "a storage_data index", optional=True))
+
+    def storage_info(self, x, where: str) -> _StorageInfo:
+        s = self.fields(x, where, "torch.distributed.checkpoint.filesystem", "_StorageInfo",
+                        ("relative_path", "offset", "length", "transform_descriptors"),
+                        ("relative_path", "offset", "length"))
+        rel = self.text(s["relative_path"], where)
+        # DCP writes its data files in the checkpoint folder itself (__RANK_N.distcp), and
+        # those are the files the marker's checksums cover: a path anywhere else is refused.
+        if not _DATA_FILE.fullmatch(rel):
+            self.fail(where, f"names {one_line(rel, 100)}, not a .distcp file in the checkpoint folder")
+        if s.get("transform_descriptors"):
+            self.fail(where, "asks for stream transforms, which distlm never writes")
+        return _StorageInfo(relative_path=rel, offset=self.count(s["offset"], f"{where} offset"),
+                            length=self.count(s["length"], f"{where} length"))
+
+    def storage_meta(self, x):
+        if x is None:
+            return None
+        s = self.fields(x, "storage_meta", _MD, "StorageMeta", ("checkpoint_id", "save_id", "load_id", "modules"))
+        cid = s.get("checkpoint_id")
+        if isinstance(cid, _Made):  # where it was saved, a PosixPath of str parts: informative only
+            cid = self.made(cid, "storage_meta checkpoint_id", "pathlib", "PosixPath", "call")
+            cid = "/".join(self.text(p, "storage_meta checkpoint_id") for p in cid.args).replace("//", "/")
+        modules = s.get("modules", [])
+        if type(modules) is not list:
+            self.fail("storage_meta modules", "is not a list")
+        return dcp_md.StorageMeta(checkpoint_id=self.text(cid, "storage_meta checkpoint_id", optional=True),
+                                  save_id=self.text(s.get("save_id"), "storage_meta save_id", optional=True),
+                                  load_id=self.text(s.get("load_id"), "storage_meta load_id", optional=True),
+                                  modules=[self.text(m, "storage_meta modules") for m in modules])
+
+
+_DATA_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.distcp")
+
+
+def storage_files(md: dcp_md.Metadata) -> list[str]:
+    """The data files a (rebuilt) Metadata reads, as names inside its checkpoint folder."""
+    return sorted({info.relative_path for info in (md.storage_data or {}).values()})
 
 
 def read_dcp_metadata(path: Path, source: str | None = None) -> dcp_md.Metadata:
-    """Unpickle a DCP ``.metadata`` file safely; any failure is a one-line CheckpointError."""
+    """A DCP ``.metadata`` file read as plain data and rebuilt into fresh DCP objects; every
+    data file it names must be a regular file in its folder. Any failure is a one-line
+    CheckpointError."""
     source = source or str(path)
     try:
-        with open(path, "rb") as fh:
-            md = _MetadataUnpickler(fh, source).load()
+        with open_regular(path, source) as fh:
+            tree = _MetadataUnpickler(fh, source).load()
     except CheckpointError:
         raise
     except FileNotFoundError:
@@ -104,12 +415,18 @@ def read_dcp_metadata(path: Path, source: str | None = None) -> dcp_md.Metadata:
     except Exception as e:  # truncated, bit-flipped or foreign bytes: any parse error
         raise CorruptCheckpoint(f"{source}: unreadable checkpoint metadata "
                               f"({e.__class__.__name__}: {one_line(str(e).splitlines()[0] if str(e) else '')})") from None
-    if not isinstance(md, dcp_md.Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
-        raise CorruptCheckpoint(f"{source}: not DCP checkpoint metadata (holds a {type(md).__name__})")
+    if not (isinstance(tree, _Made) and tree.cls.name == "Metadata"):
+        raise CorruptCheckpoint(f"{source}: not DCP checkpoint metadata (holds {_describe(tree)})")
+    try:
+        md = _Rebuild(source).metadata(tree)
+    except RecursionError:
+        raise CorruptCheckpoint(f"{source}: unreadable checkpoint metadata (RecursionError)") from None
+    for rel in storage_files(md):
+        regular_file(Path(path).parent / rel)
     return md
 
 
-def _weights_only_reason(e: BaseException) -> str:
+def weights_only_reason(e: BaseException) -> str:
     """torch.load(weights_only=True)'s refusal is a paragraph; keep the line that names the global."""
     text = str(e)
     m = re.search(r"GLOBAL (\S+)", text)
@@ -127,9 +444,9 @@ def load_weights_only(source, what: str):
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{what}: missing (the checkpoint is incomplete)") from None
     except pickle.UnpicklingError as e:
-        raise CorruptCheckpoint(f"{what}: refused to load: {_weights_only_reason(e)}") from None
+        raise CorruptCheckpoint(f"{what}: refused to load: {weights_only_reason(e)}") from None
     except Exception as e:
-        raise CorruptCheckpoint(f"{what}: unreadable ({e.__class__.__name__}: {_weights_only_reason(e)})") from None
+        raise CorruptCheckpoint(f"{what}: unreadable ({e.__class__.__name__}: {weights_only_reason(e)})") from None
 
 
 class SafeReader(dcp.FileSystemReader):

@@ -4,6 +4,8 @@ Layout of one checkpoint, ``RUN/checkpoints/step_0000100/``:
   .metadata, __*_*.distcp   DCP: model + optimizer, keyed by fully-qualified names,
                             so any layout (1 process, DDP, FSDP2, TP) can load it
   rng/rank_00000.pt         each rank's RNG state (dropout)
+  config.json               the run config, as in the marker: covered by the checksums, so an
+                            edit of the marker's config is refused (verify.read_meta)
   distlm.json               written last: step, tokens, loader state, config, val loss,
                             and "files": {relpath: {"bytes": n, "sha256": hex}} of every file above
 
@@ -21,6 +23,7 @@ What a loaded checkpoint is guaranteed to be:
 from __future__ import annotations
 
 import errno as errno_codes
+import io
 import json
 import os
 import shutil
@@ -37,10 +40,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
-from distlm.checkpoint.files import MARKER, _fsync_dir, _hash_files, _listed_files, _own_files
+from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
-from distlm.checkpoint.verify import VerifiedFiles, read_meta, verify_checkpoint, verify_files  # noqa: F401 (re-exported)
+from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
+                                     verify_files)
 from distlm.io import atomic_write_text
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
@@ -122,6 +126,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
                 ckpt_root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
+                if "config" in meta:
+                    (tmp / CONFIG).write_text(json.dumps(meta["config"], indent=1))
             except OSError as e:
                 error = e
         _agree(error, f"cannot write checkpoint {final}")
@@ -212,6 +218,8 @@ def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict, memo: Optional
             kept = {k: v for k, v in meta.items() if k != "files"}
             if "files" in old:
                 kept["files"] = old["files"]
+            if CONFIG in old.get("files", {}):
+                kept["config"] = old["config"]  # the config its kept config.json holds
             atomic_write_text(final / MARKER, json.dumps(kept, indent=1))
             shutil.rmtree(tmp, ignore_errors=True)
             _fsync_dir(ckpt_root)
@@ -257,7 +265,7 @@ def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> d
     as saved: the marker is not among the files it lists, so they remain valid (and a
     ``memo`` that held the checkpoint as verified still does)."""
     ckpt = Path(ckpt)
-    fixed = {"files", "step", "complete"} & set(fields)
+    fixed = {"files", "step", "complete", "config"} & set(fields)
     if fixed:
         raise ValueError(f"update_meta cannot change {sorted(fixed)}: they describe what was saved")
     meta = read_meta(ckpt)
@@ -271,12 +279,13 @@ def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> d
 
 # ---- finding checkpoints -----------------------------------------------------------------
 def list_checkpoints(ckpt_root: Path) -> tuple[list[Path], list[Path]]:
-    """(complete checkpoints oldest first, torn folders)."""
+    """(complete checkpoints oldest first, torn folders: no marker, or a link)."""
     complete, torn = [], []
     if not Path(ckpt_root).is_dir():
         return complete, torn
     for p in sorted(Path(ckpt_root).iterdir()):
-        if p.name.startswith("step_") and (p / MARKER).is_file():
+        # a link is never followed out of the run folder: it counts as torn, left alone
+        if p.name.startswith("step_") and not p.is_symlink() and (p / MARKER).is_file():
             complete.append(p)
         elif p.name.startswith(("step_", ".tmp-step_")):
             torn.append(p)
@@ -310,7 +319,7 @@ def _auto_candidates(run_dir: Path, say, memo: Optional[VerifiedFiles]) -> Itera
     root = Path(run_dir) / "checkpoints"
     complete, torn = list_checkpoints(root)
     for p in torn:
-        say(f"resume: skipping incomplete checkpoint {p} (no {MARKER})")
+        say(f"resume: skipping incomplete checkpoint {p} ({'a link' if p.is_symlink() else 'no ' + MARKER})")
     if not complete:
         say(f"resume=auto: no checkpoint in {run_dir}, starting from step 0")
         return
@@ -387,10 +396,18 @@ def load_model_state(ckpt: Path, model_sd: dict, verify: bool = True, memo: Opti
 
 
 def _read_rng(rng_file: Path) -> dict:
-    rng = load_weights_only(rng_file, str(rng_file))
+    with open_regular(rng_file) as fh:
+        rng = load_weights_only(io.BytesIO(fh.read()), str(rng_file))
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and rng["cpu"].dtype == torch.uint8
             and isinstance(rng.get("cuda", rng["cpu"]), torch.Tensor)):
         raise CorruptCheckpoint(f"{rng_file}: not an RNG state")
+    try:  # a wrong size or an invalid state, tried on a scratch generator, not the process's own
+        torch.Generator().set_state(rng["cpu"])
+    except RuntimeError as e:
+        raise CorruptCheckpoint(f"{rng_file}: not a CPU RNG state ({one_line(str(e).splitlines()[0], 120)})") from None
+    if "cuda" in rng and (rng["cuda"].dtype != torch.uint8 or rng["cuda"].dim() != 1
+                          or (torch.cuda.is_available() and rng["cuda"].numel() != torch.cuda.get_rng_state().numel())):
+        raise CorruptCheckpoint(f"{rng_file}: 'cuda' is not a CUDA RNG state of this torch")
     return rng
 
 
@@ -399,8 +416,16 @@ def load_checkpoint(ckpt: Path, model, optimizer=None, verify: bool = True,
     """Collective. Loads in place into whatever layout the model/optimizer now have.
     ``verify``: check the files' checksums first (cheap when ``memo`` holds the checkpoint
     as verified and unchanged). The loaded weights must be finite. Any problem is a one-line
-    CheckpointError (CorruptCheckpoint for damaged content)."""
+    CheckpointError (CorruptCheckpoint for damaged content); a checkpoint pruned while it was
+    read (`distlm eval` beside a training run) says so."""
     ckpt = Path(ckpt)
+    try:
+        return _load_checkpoint(ckpt, model, optimizer, verify, memo)
+    except CheckpointError as e:
+        raise pruned_meanwhile(ckpt) or e from None
+
+
+def _load_checkpoint(ckpt: Path, model, optimizer, verify: bool, memo: Optional[VerifiedFiles]) -> dict:
     meta = read_meta(ckpt, resume=optimizer is not None)
     if verify:
         verify_files(ckpt, meta, collective=True, memo=memo)
@@ -416,7 +441,7 @@ def load_checkpoint(ckpt: Path, model, optimizer=None, verify: bool = True,
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = ckpt / "rng" / f"rank_{_rank():05d}.pt"
     rng, rng_error = None, None
-    if rng_file.is_file():  # a new rank (resumed on more ranks) keeps its seeded RNG
+    if os.path.lexists(rng_file):  # a new rank (resumed on more ranks) keeps its seeded RNG
         try:
             rng = _read_rng(rng_file)
         except CheckpointError as e:
@@ -457,16 +482,20 @@ def newest_good_checkpoint(ckpt_root: Path, memo: Optional[VerifiedFiles] = None
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_also: list[Path] = (),
-                      memo: Optional[VerifiedFiles] = None) -> list[Path]:
+                      memo: Optional[VerifiedFiles] = None, protect: Optional[Path] = None) -> list[Path]:
     """Delete old complete checkpoints beyond the newest keep_last and those in keep_also
-    (the best, the last before a fault). Never deleted: the newest complete one, and the
+    (the best). ``protect`` (the last one before a fault) counts among the keep_last: with
+    keep_last=2 the newest and it are kept. Never deleted: the newest complete one, and the
     newest one that verifies; when none verifies, nothing is deleted. Torn folders are left
     for a person to look at. Rank 0 only."""
     complete, _ = list_checkpoints(ckpt_root)
     good = newest_good_checkpoint(ckpt_root, memo) if complete else None
     if good is None:
         return []
-    keep = set(complete[-max(1, keep_last):]) | {Path(p) for p in keep_also} | {good}
+    newest = complete[-max(1, keep_last):]
+    if protect is not None and Path(protect) in complete and Path(protect) not in newest:
+        newest = complete[-max(1, keep_last - 1):]
+    keep = set(newest) | {Path(p) for p in keep_also} | {good} | ({Path(protect)} if protect else set())
     removed = []
     for p in complete:
         if p not in keep:

@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from distlm.checkpoint.errors import CorruptCheckpoint
-from distlm.checkpoint.files import HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files
+from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from distlm.checkpoint.files import (CONFIG, HASH, MARKER, _file_digest, _is_marker_file, _is_payload, _listed_files,
+                                    open_regular, regular_file)
 from distlm.checkpoint.group import _distributed, _flag_device, _rank, _world
 from distlm.checkpoint.safe_dcp import one_line, read_dcp_metadata
 
@@ -108,17 +109,86 @@ def _marker_problem(meta, resume: bool) -> Optional[str]:
     return None
 
 
+_MARKER_LIMIT = 64 << 20  # a marker lists a few files per rank: kilobytes
+
+
 def read_meta(ckpt: Path, resume: bool = False) -> dict:
     """A checkpoint's marker, checked for the keys every reader needs (``step``, ``config``;
     with ``resume``, the trainer state too): a damaged one is a one-line CheckpointError."""
+    marker = Path(ckpt) / MARKER
     try:
-        meta = json.loads((Path(ckpt) / MARKER).read_text())
+        with open_regular(marker) as fh:
+            raw = fh.read(_MARKER_LIMIT + 1)
+        if len(raw) > _MARKER_LIMIT:
+            raise CorruptCheckpoint(f"{marker}: over {_MARKER_LIMIT >> 20} MB, not a marker distlm wrote")
+        meta = json.loads(raw)
+    except CorruptCheckpoint:
+        raise
+    except FileNotFoundError:
+        raise pruned_meanwhile(Path(ckpt)) or CorruptCheckpoint(
+            f"{ckpt}: not a complete distlm checkpoint (FileNotFoundError)") from None
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{ckpt}: not a complete distlm checkpoint ({e.__class__.__name__})") from None
     problem = _marker_problem(meta, resume)
     if problem:
         raise CorruptCheckpoint(f"{Path(ckpt) / MARKER}: {problem} (not written by distlm, or edited)")
+    if CONFIG in (meta.get("files") or {}):
+        _check_config(Path(ckpt), meta["config"], meta["files"][CONFIG][HASH])
     return meta
+
+
+def pruned_meanwhile(ckpt: Path) -> Optional[CheckpointError]:
+    """The error to give when a checkpoint's files vanish while it is read: a training run
+    writing the same folder pruned it (it keeps train.keep_last), and a newer one is there.
+    None when it does not look like that race."""
+    ckpt = Path(ckpt)
+    if os.path.lexists(ckpt / MARKER) or not ckpt.name.startswith("step_"):
+        return None
+    try:
+        newer = sorted(p for p in ckpt.parent.iterdir() if p.name.startswith("step_") and p.name > ckpt.name
+                       and (p / MARKER).is_file())
+    except OSError:
+        newer = []
+    if not newer:
+        return None
+    return CheckpointError(f"{ckpt}: was pruned while being read (a training run is saving newer checkpoints in "
+                           f"{ckpt.parent} and keeps only train.keep_last); run again to read the newest, {newer[-1]}")
+
+
+def _leaves(tree, prefix: str = "") -> dict[str, str]:
+    """Dotted field -> its JSON text (so NaN equals NaN, and 1 differs from 1.0)."""
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: json.dumps(tree, sort_keys=True)}
+
+
+def _check_config(ckpt: Path, config: dict, checksum: str) -> None:
+    """The marker's config equals the checkpoint's config.json, whose checksum the marker
+    lists (a small file: checked here, on every read of the marker). Markers saved before
+    2026-11-27 have no config.json: their config is taken as it is, as before."""
+    saved_file = ckpt / CONFIG
+    try:
+        with open_regular(saved_file) as fh:
+            raw = fh.read(_MARKER_LIMIT + 1)
+        if hashlib.new(HASH, raw).hexdigest() != checksum:
+            raise CorruptCheckpoint(f"{ckpt}: {CONFIG} does not match its {HASH} checksum: the files changed after "
+                                    f"the save (bad disk or copy, or an edit)")
+        saved = json.loads(raw)
+    except CorruptCheckpoint:
+        raise
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{saved_file}: missing, but its {MARKER} lists it") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{saved_file}: unreadable ({e.__class__.__name__})") from None
+    if saved == config:
+        return
+    mine, theirs = _leaves(config), _leaves(saved)
+    for field in sorted(set(mine) | set(theirs)):
+        if mine.get(field) != theirs.get(field):
+            have, want = (one_line(theirs_or_mine.get(field, "(absent)"), 60) for theirs_or_mine in (mine, theirs))
+            raise CorruptCheckpoint(f"{ckpt / MARKER}: config field {one_line(field, 80)} is {have}, but the "
+                                    f"checkpoint was saved with {want} ({CONFIG}, covered by its checksums): the "
+                                    f"marker was edited; refused")
 
 
 # ---- the files ---------------------------------------------------------------------------
@@ -145,6 +215,9 @@ def verify_files(ckpt: Path, meta: dict, collective: bool, memo: Optional[Verifi
     if files is None:
         note_unverified(ckpt, memo)
         return
+    if CONFIG not in files and _rank() == 0 and (memo is None or memo.first_note(f"config:{ckpt.resolve()}")):
+        print(f"note: {ckpt}'s config is not covered by its checksums (saved before 2026-11-27); an edit of it "
+              f"would go unnoticed", file=sys.stderr)
     rels = sorted(files)
     unlisted = [r for r in _listed_files(ckpt) if _is_payload(r) and r not in files]
     if unlisted:
@@ -152,9 +225,10 @@ def verify_files(ckpt: Path, meta: dict, collective: bool, memo: Optional[Verifi
                                 f"(added after the save)")
     for rel in rels:  # sizes first: cheap, and the same answer on every rank
         p = ckpt / rel
-        if not p.is_file():
-            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is missing")
-        size = p.stat().st_size
+        try:
+            size = regular_file(p).st_size  # a link or a FIFO is refused, never followed or read
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is missing") from None
         if size != files[rel]["bytes"]:
             raise CorruptCheckpoint(f"{ckpt}: {one_line(rel, 100)} is {size} bytes, but {files[rel]['bytes']} "
                                     f"were saved (truncated or changed)")

@@ -7,6 +7,14 @@ on the meta device and sharded) and the weights can only be copied after:
     load_hf_into(model, path)                # after init_weights()
 
 Weights are read lazily (safetensors) or with ``torch.load(weights_only=True)``.
+
+An HF folder may come from anyone, so before a byte of weights is read: every file an index
+names must be a plain name inside the folder and resolve to a regular file (links are
+followed, as in the HF cache's snapshot folders, but never to a device or a FIFO: an index
+naming /dev/zero hung the import before 2026-11-27); a safetensors header is checked in full
+(its length, each tensor's dtype, shape and byte range, no overlaps) before safetensors maps
+the file; a ``pytorch_model.bin`` is read with weights_only=True and never runs code. Every
+refusal is one InteropError line naming the file and the tensor.
 """
 from __future__ import annotations
 
@@ -14,7 +22,10 @@ import dataclasses
 
 import json
 import math
-from pathlib import Path
+import os
+import stat
+import struct
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -121,6 +132,94 @@ def _refuse_modern_options(model_cfg: ModelConfig, path) -> None:
                            f"model; turn it off to start from one")
 
 
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ST_HEADER_LIMIT = 100 << 20  # what safetensors itself accepts
+
+
+def _regular(f: Path, what: str) -> int:
+    """The size of ``f``, a regular file (a link is followed, as the HF cache needs)."""
+    try:
+        st = os.stat(f)
+    except OSError as e:
+        raise InteropError(f"{f}: {what} cannot be read ({e.strerror or e.__class__.__name__})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
+        raise InteropError(f"{f}: {what} is {kind}, not a regular file; refused")
+    return st.st_size
+
+
+def _shard(folder: Path, index: Path, name) -> Path:
+    """A file an index names: a relative name that stays in the folder."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise InteropError(f"{index}: names the shard {name!r}, not a file name")
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or ".." in parts:
+        raise InteropError(f"{index}: names the shard {name!r}, which is not inside {folder}; refused")
+    return folder / name
+
+
+def check_safetensors(f: Path) -> None:
+    """The header of a safetensors file, checked whole before safetensors maps it: a sane
+    length, and each tensor a known dtype whose shape fills exactly its byte range, the
+    ranges inside the file and not overlapping."""
+    size = _regular(f, "the weights file")
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise InteropError(f"{f}: not a safetensors file ({size} bytes)")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, _ST_HEADER_LIMIT):
+            raise InteropError(f"{f}: its safetensors header claims {n} bytes, but the file has {size}; refused")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise InteropError(f"{f}: its safetensors header is not JSON ({e.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise InteropError(f"{f}: its safetensors header is not an object")
+    data, spans = size - 8 - n, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{f}: tensor {str(name)[:80]!r}"
+        if not isinstance(entry, dict) or entry.get("dtype") not in _ST_ITEMSIZE:
+            dtype = entry.get("dtype") if isinstance(entry, dict) else None
+            raise InteropError(f"{where} has dtype {str(dtype)[:20]!r}, which distlm cannot read")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int and 0 <= o for o in offsets) or offsets[0] > offsets[1]):
+            raise InteropError(f"{where} has no valid shape and data_offsets")
+        if offsets[1] > data:
+            raise InteropError(f"{where} ends at byte {offsets[1]} of a {data}-byte data section; refused")
+        want = math.prod(shape) * _ST_ITEMSIZE[entry["dtype"]]
+        if offsets[1] - offsets[0] != want:
+            raise InteropError(f"{where}: {entry['dtype']} of shape {shape} needs {want} bytes, but its range holds "
+                               f"{offsets[1] - offsets[0]} (a lying shape or dtype); refused")
+        spans.append((offsets[0], offsets[1], str(name)))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise InteropError(f"{f}: tensors {n0[:60]!r} and {n1[:60]!r} overlap (bytes {b1}..{e0}); refused")
+
+
+def _read_bin(f: Path) -> dict:
+    """A pytorch_model.bin through torch.load(weights_only=True): a pickle that names any
+    global beyond tensors is refused, nothing is called. Zip files are mapped, not read."""
+    from distlm.checkpoint.safe_dcp import weights_only_reason
+    _regular(f, "the weights file")
+    try:
+        import zipfile
+        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+    except Exception as e:  # UnpicklingError for a refused global; anything for a damaged file
+        raise InteropError(f"{f}: refused to load ({weights_only_reason(e)}); "
+                           f"a model.safetensors is the safe format") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise InteropError(f"{f}: holds a {type(sd).__name__}, not a dict of named tensors")
+    return sd
+
+
 class _Weights:
     """HF tensors by name, read on demand from one or many (sharded) files."""
 
@@ -129,7 +228,7 @@ class _Weights:
         raw: dict[str, Path] = {}
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             if (path / index).is_file():
-                raw = {k: path / f for k, f in json.loads((path / index).read_text())["weight_map"].items()}
+                raw = self._read_index(path, path / index)
                 break
         else:
             for fname in ("model.safetensors", "pytorch_model.bin"):
@@ -143,19 +242,38 @@ class _Weights:
         self.where = {("transformer." + k if bare and not k.startswith(("transformer.", "lm_head.")) else k): (f, k)
                       for k, f in raw.items()}
 
+    @staticmethod
+    def _read_index(path: Path, index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InteropError(f"{index}: not a weight index ({e.__class__.__name__}: {str(e)[:80]})") from None
+        if not isinstance(weight_map, dict):
+            raise InteropError(f"{index}: 'weight_map' is not an object")
+        return {str(k): _shard(path, index, f) for k, f in weight_map.items()}
+
     def _handle(self, f: Path):
         if f not in self._open:
             if f.suffix == ".safetensors":
                 from safetensors import safe_open
-                self._open[f] = safe_open(str(f), framework="pt")
+                check_safetensors(f)
+                try:
+                    self._open[f] = safe_open(str(f), framework="pt")
+                except Exception as e:  # SafetensorError: what the header check above did not foresee
+                    raise InteropError(f"{f}: not a readable safetensors file ({str(e)[:120]})") from None
             else:
-                self._open[f] = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                self._open[f] = _read_bin(f)
         return self._open[f]
 
     def get(self, key: str) -> torch.Tensor:
         f, raw = self.where[key]
         h = self._handle(f)
-        return h.get_tensor(raw) if hasattr(h, "get_tensor") else h[raw]
+        if raw not in h.keys():
+            raise InteropError(f"{f}: has no tensor '{raw}', which its index places there")
+        try:
+            return h.get_tensor(raw) if hasattr(h, "get_tensor") else h[raw]
+        except Exception as e:
+            raise InteropError(f"{f}: tensor '{raw}' cannot be read ({str(e)[:120]})") from None
 
 
 @torch.no_grad()
@@ -187,6 +305,8 @@ def load_hf_into(model, path) -> int:
         if hf not in weights.where:
             raise InteropError(f"{path}: has no tensor '{hf}'")
         t = weights.get(hf)
+        if not t.is_floating_point():
+            raise InteropError(f"{path}: '{hf}' is {t.dtype}, not a floating-point weight")
         used.add(hf)
         if conv:
             t = t.t()

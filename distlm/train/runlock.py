@@ -7,12 +7,21 @@ saves collide. The first trainer takes an exclusive POSIX record lock (``lockf``
 drops the lock when its process dies, however it dies (kill -9 included), so a stale lock
 never blocks a resume. A record lock belongs to the process, not to one open file: a
 second Trainer in the same process (a resume in a notebook, a test) takes it again.
+
+A run folder may come from someone else (a tarball), so nothing in it is followed out of
+it: ``.lock`` is opened with O_NOFOLLOW (before 2026-11-27 a ``.lock`` linked to any file
+had that file truncated to the trainer's PID), and once the lock is held the folder is
+checked to hold only regular files and folders: distlm appends to metrics.csv, rewrites
+samples.txt and reads checkpoints there, and a link among them would write or read
+elsewhere, a FIFO would hang. Each refusal is one line naming the path.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -45,7 +54,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -53,12 +62,71 @@ class RunLock:
             os.close(fd)
             raise ConfigError(f"run directory {self.path.parent} is in use by another trainer (PID {holder}); "
                               f"wait for it to finish or choose another log.name") from None
+        try:
+            check_run_folder(self.path.parent)
+        except BaseException:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
         return self
 
+    def _open(self) -> int:
+        """The lock file itself: never a link (O_NOFOLLOW), never blocking on a FIFO (O_NONBLOCK),
+        and checked on the open descriptor to be a regular file with no other name."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            kind = _kind_of(self.path)
+            why = f"is {kind}" if kind else (e.strerror or e.__class__.__name__)
+            if e.errno == errno.ELOOP:
+                why = "is a symbolic link"
+            raise ConfigError(f"{self.path}: {why}, not the run's lock file; refused (remove it to use this run "
+                              f"folder)") from None
+        st = os.fstat(fd)
+        problem = None if stat.S_ISREG(st.st_mode) else f"is {_kind(st.st_mode)}"
+        if problem is None and st.st_nlink > 1:
+            problem = f"has {st.st_nlink - 1} other hard link(s): it may be a file outside the run folder"
+        if problem:
+            os.close(fd)
+            raise ConfigError(f"{self.path}: {problem}, not the run's lock file; refused (remove it to use this "
+                              f"run folder)")
+        return fd
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the process's record lock
             self._fd = None
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _kind_of(path: Path) -> str:
+    try:
+        return _kind(os.lstat(path).st_mode)
+    except OSError:
+        return ""
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """ConfigError naming the first entry of the run folder (at any depth) that is neither a
+    regular file nor a folder: a link would take a write or a read out of the folder, a FIFO
+    or a device would hang it. Links are not followed; only lstat, no file is opened."""
+    pending = [Path(run_dir)]
+    while pending:
+        folder = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(Path(entry.path))
+                elif not stat.S_ISREG(st.st_mode):
+                    raise ConfigError(f"{entry.path}: is {_kind(st.st_mode)}; a run folder holds only regular files "
+                                      f"and folders, and distlm follows nothing out of it (refused; remove it)")

@@ -87,13 +87,14 @@ class Trainer:
         self.tokens_seen = 0
         self.best_val: Optional[float] = None
         self.best_ckpt: Optional[str] = None
-        self.protected: list[str] = []  # checkpoints pruning must keep (the last one before a fault)
+        self.protected: list[str] = []  # the checkpoint pruning must keep: the last one before the latest fault
         self.nan_skips = 0
         self._pending: Optional[ckpt.PendingSave] = None
         # Checkpoints this run hashed (saved, resumed from, verified when pruning): unchanged,
         # they are not hashed again.
         self.verified = ckpt.VerifiedFiles()
         self._last_saved_step: Optional[int] = None
+        self._failed_save: Optional[tuple[int, str]] = None  # (step, cause) of the latest failed save
         self.flops_per_token = flops_per_token(cfg.model, self.stepper.num_params(self.gpt, cfg))
         self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
         self.resumed_from = self._maybe_resume()
@@ -165,7 +166,8 @@ class Trainer:
         self.tokens_seen = int(state["tokens_seen"])
         self.loader.load_state_dict(state["loader"])
         self.best_val, self.best_ckpt = state.get("best_val"), state.get("best_ckpt")
-        self.protected, self.nan_skips = list(state.get("protected", [])), int(state.get("nan_skips", 0))
+        # Runs saved before 2026-11-27 protected one checkpoint per fault; only the latest counts.
+        self.protected, self.nan_skips = list(state.get("protected", []))[-1:], int(state.get("nan_skips", 0))
 
     # ---- the step -----------------------------------------------------------------
     def compute(self):
@@ -206,8 +208,10 @@ class Trainer:
 
     def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
         complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
-        if complete and complete[-1].name not in self.protected:
-            self.protected.append(complete[-1].name)  # the last good state survives pruning
+        if complete:
+            # The last good state survives pruning: one checkpoint, the newest before the latest
+            # fault (one per fault kept 6 checkpoints under keep_last=2).
+            self.protected = [complete[-1].name]
         self.nan_skips += 1
         warning = nonfinite_verdict(self.step + 1, loss, grad_norm, nonfinite_grads(self.model),
                                     complete[-1] if complete else None, self.nan_skips, self.cfg.train)
@@ -248,6 +252,7 @@ class Trainer:
         return saved
 
     def _save_failed(self, step: int, e: ckpt.CheckpointSaveError) -> None:
+        self._failed_save = (step, e.cause)
         complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
         msg = (f"cannot write checkpoint step_{step:07d} in {self.run_dir / 'checkpoints'}: {e.cause}; "
                f"{'the previous checkpoint ' + str(complete[-1]) + ' is intact' if complete else 'no earlier checkpoint'}")
@@ -271,8 +276,9 @@ class Trainer:
     def _prune(self) -> None:
         if self.dims.is_main:
             root = self.run_dir / "checkpoints"
-            keep = [root / n for n in ([self.best_ckpt] if self.best_ckpt else []) + self.protected]
-            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, keep, memo=self.verified)
+            keep = [root / self.best_ckpt] if self.best_ckpt else []
+            protect = root / self.protected[-1] if self.protected else None
+            ckpt.prune_checkpoints(root, self.cfg.train.keep_last, keep, memo=self.verified, protect=protect)
 
     # ---- the loop -----------------------------------------------------------------
     def train(self) -> dict:
@@ -347,6 +353,8 @@ class Trainer:
         # would move a complete checkpoint aside for a moment, for nothing.
         final = ckpt_dir if self._last_saved_step == self.step or not ran else self.save(last_val if evaluated else None)
         self.finish_pending_save()
+        if ran and self._failed_save is not None and self._failed_save[0] == self.step:
+            final = self._retry_final_save(last_val if evaluated else None)
         if not ran:
             complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
             if self.dims.is_main:
@@ -364,6 +372,22 @@ class Trainer:
                 self._record_val(final, last_val)
             self._samples(logger, say)
         return {"checkpoint": final, "val_loss": last_val}
+
+    def _retry_final_save(self, val_loss: Optional[float]) -> Path:
+        """train.on_save_error=continue trains on past a failed save, but a run must not end on
+        one: before 2026-11-27 it ended "done ... checkpoint None" with exit 0 and its last steps
+        lost. The final checkpoint is tried once more; if that fails too, the run stops
+        (exit 3) naming the newest step that can be resumed."""
+        self._failed_save = None
+        saved = self.save(val_loss)
+        self.finish_pending_save()
+        if self._failed_save is None:
+            return saved
+        complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
+        last = (f"the last step that can be resumed is {int(complete[-1].name[5:])} ({complete[-1]})" if complete
+                else "no step can be resumed (no checkpoint was written)")
+        raise TrainingStopped(f"the final checkpoint step_{self.step:07d} could not be written, twice "
+                              f"({self._failed_save[1]}); {last}")
 
     def _record_val(self, folder: Path, val_loss: float) -> None:
         """The final checkpoint was written before its evaluation: add the loss to it, and
