@@ -305,13 +305,13 @@ def test_an_edit_of_the_markers_config_is_refused_naming_the_field(field, old, n
 
 
 def test_a_marker_without_the_covered_config_still_loads_with_a_note(base, tmp_path, capsys):
-    """Checkpoints saved before 2026-11-27 have checksums but no config.json: they load as
+    """Checkpoints saved before 2026-11-27 have checksums but no run-config.json: they load as
     before, and say once that an edit of their config would go unnoticed."""
     folder = tmp_path / "checkpoints" / base.name
     shutil.copytree(base, folder)
-    (folder / "config.json").unlink()
+    (folder / "run-config.json").unlink()
     meta = json.loads((folder / ckpt.MARKER).read_text())
-    del meta["files"]["config.json"]
+    del meta["files"]["run-config.json"]
     (folder / ckpt.MARKER).write_text(json.dumps(meta))
     memo = ckpt.VerifiedFiles()
     ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)
@@ -324,12 +324,12 @@ def test_the_saved_config_is_covered_by_the_checksums(base, tmp_path):
     folder = tmp_path / "checkpoints" / base.name
     shutil.copytree(base, folder)
     meta = json.loads((folder / ckpt.MARKER).read_text())
-    assert "config.json" in meta["files"]
-    assert json.loads((folder / "config.json").read_text()) == meta["config"]
-    saved = json.loads((folder / "config.json").read_text())
+    assert "run-config.json" in meta["files"]
+    assert json.loads((folder / "run-config.json").read_text()) == meta["config"]
+    saved = json.loads((folder / "run-config.json").read_text())
     saved["model"]["n_head"] = 4
-    (folder / "config.json").write_text(json.dumps(saved, indent=1))
-    with pytest.raises(CorruptCheckpoint, match="config.json does not match its sha256 checksum"):
+    (folder / "run-config.json").write_text(json.dumps(saved, indent=1))
+    with pytest.raises(CorruptCheckpoint, match="run-config.json does not match its sha256 checksum"):
         ckpt.load_checkpoint(folder, *fresh_model())
 
 

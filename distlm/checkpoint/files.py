@@ -16,7 +16,8 @@ MARKER = "distlm.json"
 # The run config the checkpoint was saved with, a file of its own so that the checksums in
 # the marker cover it: the marker's own "config" must equal it (verify.read_meta), so an
 # edit of n_head or norm_eps in distlm.json is refused instead of building another model.
-CONFIG = "config.json"
+# Not "config.json": a checkpoint folder must never pass for a Hugging Face model folder.
+CONFIG = "run-config.json"
 # One core, a 500 MB file in the page cache, this project's 2-core CPU box (with SHA-NI):
 # sha256 1218 MB/s, blake2b 714 MB/s, zlib.crc32 2884 MB/s, plain read 7882 MB/s.
 # sha256: a cryptographic hash at 40% of crc32's speed, and `sha256sum` checks a checkpoint
