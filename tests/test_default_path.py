@@ -105,3 +105,52 @@ def test_next_batch_is_made_before_the_step_reads_its_loss():
         assert [e for e in events if e[0] == "rows"] == [("rows", k) for k in range(4)]  # each batch made once
         if trainer.lock is not None:
             trainer.lock.release()
+
+
+def _tool():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tools" / "default_path.py"
+    spec = importlib.util.spec_from_file_location("default_path_tool", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_default_path_script_plans_commands_that_distlm_accepts(cpu, capsys):
+    """benchmarks/tools/default_path.py: every bench it would run loads as distlm loads it, with
+    flags `distlm bench` has; the README's command is the first, unchanged."""
+    import inspect
+    from distlm.cli.bench import bench
+    tool = _tool()
+    args = tool.main.__globals__["argparse"].Namespace(cpu=cpu, before="old", warmup=5, steps=20)
+    plans = tool.variants(args)
+    assert [name for name, _, _ in plans] == ["default", "default-before", "default-nan-off", "best"]
+    assert plans[0][2][:4] == ["bench", "--config", "gpt2-124m-1024", "data.source=synthetic"]
+    params = inspect.signature(bench).parameters
+    for name, _, words in plans:
+        flags = [w[2:].replace("-", "_") for w in words if w.startswith("--")]
+        assert set(flags) <= set(params), (name, flags)
+        cfg = load_config(words[2], [w for w in words[3:] if "=" in w and not w.startswith("--")])
+        if name == "best":
+            assert cfg.train.on_nan == "off" and cfg.train.global_batch_size == 2 * cfg.train.micro_batch_size
+    assert tool.main(["--dry-run", "--nanogpt", "nano", "--nanogpt-batch", "12,32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["probe-new", "default", "default-nan-off", "best",
+                                                      "nanogpt-b12", "nanogpt-b32"]
+
+
+def test_default_path_script_reads_its_results():
+    tool = _tool()
+    row = tool.nanogpt_row("19/20 loss: 10.9\ntime per iteration: 131.0720ms, MFU: 38.50%\n", 16)
+    assert row["tokens_per_s"] == pytest.approx(16 * 1024 / 0.131072) and row["nanogpt_mfu"] == pytest.approx(0.385)
+    rows = [{"name": "default", "tokens_per_s": 400.0, "step_s": 0.2, "phases_s": {"data": 0.001}, "mfu": 0.4,
+             "global_batch_size": 64, "micro_batch_size": 64}, {"name": "best", "tokens_per_s": 500.0, "step_s": 0.3},
+            {"name": "default-before", "rc": 1, "log": "x.log"}]
+    text = tool.table(rows)
+    assert "| default | 400 | 0.800 | 200.0 | 1.0 |" in text and "failed (rc 1" in text
+    # the host probe runs on a CPU too (the numbers mean nothing there)
+    res = tool.probe(steps=4)
+    assert set(res["host_ms_median"]) == {"made at the step", "made ahead"}
+    assert set(res["host_ms_median"]["made at the step"]) == {"total", "rows", "split and pin", "queue copies"}
