@@ -4,7 +4,7 @@
         [--warmup 5] [--steps 20] [--dry-run] [--cpu]
 
 Runs, one process each, in this order (the first pays the compilation; the rest reuse its
-cache, OUT/inductor-cache):
+cache, a temporary folder outside OUT that is removed at the end):
 
     default          the README's command: distlm bench --config gpt2-124m-1024 data.source=synthetic
     default-before   the same command with the code in --before DIR (e.g. `git archive OLD distlm |
@@ -28,8 +28,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,7 +160,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench-out/default-path", help="folder for logs, results and the compile cache")
+    p.add_argument("--out", default="bench-out/default-path", help="folder for the logs and results")
     p.add_argument("--before", metavar="DIR", help="also run the README command with the code in DIR")
     p.add_argument("--nanogpt", metavar="DIR", help="also run nanoGPT's bench.py from this checkout")
     p.add_argument("--nanogpt-batch", default="32", help="nanoGPT bench.py batch sizes, e.g. 12,32")
@@ -176,7 +178,6 @@ def main(argv=None) -> int:
     if args.cpu:
         args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
     out = Path(args.out).resolve()
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(out / "inductor-cache")}
     codes = [("new", str(ROOT))] + ([("before", str(Path(args.before).resolve()))] if args.before else [])
     plan = [(f"probe-{tag}", code, [args.python, str(Path(__file__).resolve()), "--probe"]) for tag, code in codes]
     plan += [(name, code, [args.python, "-m", "distlm", *cmd, "--json", str(out / f"{name}.json")])
@@ -190,6 +191,24 @@ def main(argv=None) -> int:
         for name, code, cmd in plan:
             print(f"{name}: PYTHONPATH={code} {' '.join(cmd)}")
         return 0
+    cache = tempfile.mkdtemp(prefix="default-path-inductor-")  # not under OUT: it would be fetched back with it
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+    try:
+        rows, probes = measure(plan, out, env, args)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    text = table(rows)
+    for name, pr in probes.items():
+        text += f"\n\n{name}: " + json.dumps(pr)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "default-path.md").write_text(text + "\n")
+    (out / "default-path.json").write_text(json.dumps({"rows": rows, "probes": probes}, indent=1))
+    print(f"wrote {out / 'default-path.md'} and .json")
+    return 0 if rows and all(r["rc"] == 0 for r in rows) else 1
+
+
+def measure(plan, out: Path, env: dict, args) -> tuple[list[dict], dict]:
     rows, probes = [], {}
     for name, code, cmd in plan:
         if name.startswith("nanogpt") and args.cpu:
@@ -214,15 +233,7 @@ def main(argv=None) -> int:
                                           "torch", "peak_mem_gb")})
             row["fast_defaults"] = next((l for l in text.splitlines() if l.startswith("fast defaults")), None)
         rows.append(row)
-    text = table(rows)
-    for name, pr in probes.items():
-        text += f"\n\n{name}: " + json.dumps(pr)
-    print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "default-path.md").write_text(text + "\n")
-    (out / "default-path.json").write_text(json.dumps({"rows": rows, "probes": probes}, indent=1))
-    print(f"wrote {out / 'default-path.md'} and .json")
-    return 0 if rows and all(r["rc"] == 0 for r in rows) else 1
+    return rows, probes
 
 
 if __name__ == "__main__":
