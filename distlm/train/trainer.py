@@ -192,6 +192,9 @@ class Trainer:
         mark("data")
         loss_mean = self.comm.mean(self.stepper.forward_backward(micro, self.compute, sync_grads))
         mark("forward_backward")
+        # The next step's batch is made now, while the device runs this one: the NaN check
+        # below waits for the device, and host work after it would leave the device idle.
+        self.loader.prefetch()
         self.engine.finish_grad_reduction(self.optimizer)
         grad_norm = self.stepper.clip(self.cfg.train.grad_clip)
         # grad_norm is global (reduced over every rank), so all ranks take the same branch.

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from distlm.data import DataError
-from distlm.data.loader import global_sample_ids
+from distlm.data.loader import AheadBatches, global_sample_ids
 from distlm.model.classifier import TextBatch
 
 
@@ -24,7 +24,7 @@ def make_batch(tokens: np.ndarray, lengths: np.ndarray) -> TextBatch:
                      bool(lengths.min() < T))
 
 
-class ClassifyLoader:
+class ClassifyLoader(AheadBatches):  # next() and prefetch() from the step
     def __init__(self, data: dict[str, np.ndarray], *, seed: int, global_batch: int, micro_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False):
         if global_batch % (micro_batch * dp_size):
@@ -58,11 +58,6 @@ class ClassifyLoader:
                 batch, labels = batch.pin_memory(), labels.pin_memory()
             out.append((batch, labels))
         return out
-
-    def next(self) -> list[tuple[TextBatch, torch.Tensor]]:
-        batch = self.micro_batches(self.step)
-        self.step += 1
-        return batch
 
     def epoch_events(self, step: int) -> list[str]:
         """A message when the global batch of ``step`` starts another pass over the examples."""
