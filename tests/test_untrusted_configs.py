@@ -291,3 +291,22 @@ def test_refusals_are_one_line_with_exit_2_and_leave_no_run_folder(tmp_path):
         assert needle in lines[0], (args, lines[0])
     assert not root.exists() or not any(root.iterdir()), list(root.iterdir())
     assert not (tmp_path / "out").exists()
+
+
+def test_the_data_folders_tokenizer_is_checked_against_its_manifest(text_dir, tmp_path):
+    """Training loads the tokenizer beside the data; two ids swapped in its tokenizer.json keep
+    the vocabulary size, so only the manifest's fingerprint tells the data was tokenized with
+    another mapping than the one samples would be decoded with."""
+    from distlm.data.prepare import prepare
+    from distlm.tasks.lm import LMTask
+    data = tmp_path / "data"
+    prepare([str(text_dir)], data, tokenizer="bpe:300", val_fraction=0.1, workers=1, progress=False)
+    cfg = load_config("tiny", [f"data.dir={data}"])
+    LMTask().resolve(cfg, None, True)  # unchanged: resolves
+    spec_file = data / "tokenizer.json"
+    spec = json.loads(spec_file.read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["t"] = vocab["t"], vocab["a"]
+    spec_file.write_text(json.dumps(spec))
+    with pytest.raises(DataError, match=r"tokenizer\.json: fingerprint \w+ is not the \w+ recorded in .*manifest\.json"):
+        LMTask().resolve(cfg, None, True)

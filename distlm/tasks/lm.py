@@ -73,13 +73,11 @@ class LMTask:
         return Resolved(cfg, manifest, data_dir)
 
     def _check_tokenizer(self, manifest: dict, data_dir: Path) -> None:
-        """The manifest's vocabulary must be the tokenizer's: a larger one trains rows no
-        token ever reaches and generation then decodes ids the tokenizer does not have."""
-        from distlm.data.tokenizer import load_tokenizer
-        self.tokenizer = load_tokenizer(manifest["tokenizer"]["name"], data_dir)
-        if self.tokenizer.vocab_size != int(manifest["tokenizer"]["vocab_size"]):
-            raise DataError(f"{data_dir}/manifest.json: tokenizer.vocab_size={manifest['tokenizer']['vocab_size']} "
-                            f"but tokenizer {manifest['tokenizer']['name']} has {self.tokenizer.vocab_size} tokens")
+        """The manifest's tokenizer must be the one beside the data: the same fingerprint and
+        vocabulary. A larger vocabulary trains rows no token ever reaches, and a tokenizer.json
+        with two ids swapped would train on one mapping and decode samples with another."""
+        from distlm.data.tokenizer import load_recorded_tokenizer
+        self.tokenizer = load_recorded_tokenizer(manifest.get("tokenizer"), data_dir, data_dir / "manifest.json")
 
     # ---- model, data, loss ----------------------------------------------------------
     def build_model(self, cfg: Config) -> nn.Module:
