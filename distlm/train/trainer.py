@@ -334,8 +334,6 @@ class Trainer:
                     last_val, logged = (val if do_eval else last_val), self.step
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save(last_val if do_eval else None)
-                if last:
-                    continue  # the schedule's end: a finished run (final evaluation), not a stopped one
                 stopped = stop_reason(stop, t_start, stop_cfg, self.step, self.dims, self.comm, self.device)
                 if stopped:
                     if main:
