@@ -24,7 +24,6 @@ import subprocess
 import sys
 import termios
 import threading
-import time
 import warnings
 from pathlib import Path
 

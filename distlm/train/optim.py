@@ -107,7 +107,8 @@ def ns_dtype_for(cfg: TrainConfig, device: torch.device, probe: Optional[MatmulD
     return (probe or MatmulDtypeProbe()).choose(device)
 
 
-def resolve_ns_dtype(cfg: Config, device: torch.device, comm, probe: MatmulDtypeProbe) -> tuple[Config, Optional[str]]:
+def resolve_ns_dtype(cfg: Config, device: torch.device, comm,
+                     probe: MatmulDtypeProbe) -> tuple[Config, Optional[str]]:
     """train.muon_ns_dtype=auto made a value before the optimizer is built, so config.yaml
     records what ran. Every rank must use the same dtype (the Newton-Schulz stacks are
     redistributed between them): fp32 when any rank measured bf16 slower, as the slowest
