@@ -129,7 +129,11 @@ class TrainConfig:
     embed_lr: float = doc(0.0, "train.optimizer=muon: AdamW's peak rate for the embedding tables (token and "
                                 "value embeddings), on train.lr's schedule; 0 = train.lr. Needs an untied head")
     muon_momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
-    muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (bf16)")
+    muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (in train.muon_ns_dtype)")
+    muon_ns_dtype: str = choice("auto", "auto", "bf16", "fp32",
+                                help="Muon: the dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA, on a CPU "
+                                     "whichever a timed matmul finds faster (fp32 where bf16 has no fast path, "
+                                     "e.g. AVX2-only CPUs)")
     muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
     grad_clip: float = doc(1.0, "max global grad norm; 0 disables")
     eval_every: int = doc(100, "steps between validation passes; 0 = only at the end")
@@ -153,6 +157,12 @@ class TrainConfig:
                                    "compile), else no-grad graphs of its own (false: eager; worth it for a "
                                    "few short evaluations, where compiling those costs more than it saves)")
     time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
+    schedule_clock: str = choice("steps", "steps", "time",
+                                 help="what the learning-rate schedule's progress counts: steps (step / max_steps; "
+                                      "a pure function of the step, so a resume is bit-exact) or time (the larger "
+                                      "of step / max_steps and elapsed / train.time_limit_s: the decay ends, and the "
+                                      "run with it, at the time limit on a slow machine; the rates then depend on "
+                                      "the clock)")
     on_nan: str = choice("skip", "skip", "stop", "off",
                          help="a NaN/Inf loss or gradient: skip the step, stop, or off (no check: no host sync per step)")
     max_nan_skips: int = doc(10, "on_nan=skip: stop after this many skipped steps")

@@ -89,7 +89,7 @@ def last_logged_step(run_dir: Path) -> int:
     return best
 
 
-_CONSOLE_STEP = re.compile(r"^step\s+(\d+) \|", re.M)
+_CONSOLE_STEP = re.compile(r"^step\s+(\d+)/\d+ \|", re.M)
 
 
 def last_console_step(log: Path) -> int:

@@ -124,7 +124,7 @@ def test_generate_gives_a_sample_back_and_eval_says_what_it_measured(lm_run):
 
     # 2 micro-batches of 4 blocks of 16 tokens: 8 blocks, 128 tokens, in every place.
     measured = re.compile(r" on (8 blocks \([^)]*\), 128 tokens)")
-    at_eval = [ln for ln in p.stdout.splitlines() if ln.startswith("step      5 ")]
+    at_eval = [ln for ln in p.stdout.splitlines() if ln.startswith("step      5/")]
     assert len(at_eval) == 1 and "val " in at_eval[0] and measured.search(at_eval[0]), p.stdout
     final = [ln for ln in p.stdout.splitlines() if ln.startswith("final val loss")]
     assert len(final) == 1 and measured.search(final[0]), p.stdout

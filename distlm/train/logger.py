@@ -12,7 +12,9 @@ from __future__ import annotations
 import csv
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from distlm.io import atomic_write_text, read_csv, trim_csv, write_csv
 
@@ -141,9 +143,85 @@ class RunLogger:
             self.wandb.finish()
 
 
-def console_line(step: int, r: dict) -> str:
-    """One line per log step: step, loss, lr, grad norm, tokens/s, MFU, memory (and val)."""
-    parts = [f"step {step:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
+def clock_text(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour on."""
+    s = max(0, int(round(seconds)))
+    h, m, s = s // 3600, s // 60 % 60, s % 60
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+@dataclass(frozen=True)
+class Status:
+    """Where a run stands after a step: what the console row and the progress bar both show."""
+    step: int
+    max_steps: int
+    elapsed_s: float        # since this process's first step began
+    eta_s: Optional[float]  # None until a step has been timed
+    by_time_limit: bool     # the time limit, not max_steps, is the nearer end
+    fraction: float         # of the run done: the larger of the step and the time shares
+
+    @property
+    def text(self) -> str:
+        eta = "eta ?" if self.eta_s is None else f"eta {clock_text(self.eta_s)}"
+        return f"{clock_text(self.elapsed_s)} elapsed | {eta}{' (time limit)' if self.by_time_limit else ''}"
+
+
+class Progress:
+    """Elapsed time and ETA from this process's own pace: its mean time per step so far
+    (evaluations and saves included, as they recur). The run ends at max_steps or at
+    train.time_limit_s, whichever comes first; the ETA is to that end."""
+
+    def __init__(self, max_steps: int, time_limit_s: float, start_step: int, t_start: float):
+        self.max_steps, self.time_limit_s = max_steps, time_limit_s
+        self.start_step, self.t_start = start_step, t_start
+
+    def at(self, step: int, now: float, finished: bool = False) -> Status:
+        """``finished``: the schedule ended with this step (max_steps, or a time clock's limit)."""
+        elapsed = now - self.t_start
+        if finished:
+            return Status(step, self.max_steps, elapsed, 0.0, False, 1.0)
+        done = step - self.start_step
+        eta = (self.max_steps - step) * elapsed / done if done > 0 else None
+        by_time = False
+        fraction = step / max(1, self.max_steps)
+        if self.time_limit_s:
+            left = max(0.0, self.time_limit_s - elapsed)
+            by_time = eta is not None and left < eta
+            eta = left if by_time else eta
+            fraction = max(fraction, elapsed / self.time_limit_s)
+        return Status(step, self.max_steps, elapsed, eta, by_time, min(1.0, fraction))
+
+
+class ProgressBar:
+    """A tqdm bar on stderr, for terminals only (piped to a file its redraws are thousands of
+    lines). It shows the Status the rows show, the step of max_steps, elapsed and ETA, and
+    fills by Status.fraction, so a run that will end at its time limit fills by time; tqdm's
+    own rate and remaining time, which know neither the time limit nor evaluations, are left
+    out. Rows go through write(), after which tqdm redraws the bar: the row and the bar below
+    it show the same step and times."""
+
+    def __init__(self, status: Status):
+        from tqdm import tqdm
+        self._bar = tqdm(total=1.0, bar_format="{percentage:3.0f}%|{bar}| {postfix}", dynamic_ncols=True,
+                         leave=False)
+        self.show(status)
+
+    def show(self, status: Status) -> None:
+        self._bar.set_postfix_str(f"step {status.step}/{status.max_steps} | {status.text}", refresh=False)
+        self._bar.update(status.fraction - self._bar.n)  # redraws at most every tqdm.mininterval
+
+    def write(self, text: str) -> None:
+        self._bar.write(text)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def console_line(status: Status, r: dict) -> str:
+    """One line per log step: step of max, elapsed, ETA, loss, lr, grad norm, tokens/s, MFU,
+    memory (and val)."""
+    parts = [f"step {status.step:>6}/{status.max_steps}", status.text, f"loss {r['loss']:.4f}",
+             f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
              f"tok/s {r['tokens_per_s']:,.0f}", "mfu " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
              "mem " + ("n/a" if r["mem_gb"] is None else f"{r['mem_gb']:.2f}GB")]
     if r.get("val_loss") is not None:

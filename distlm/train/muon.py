@@ -4,7 +4,8 @@ For a weight matrix W (out x in) and its Nesterov momentum M, Muon steps along
 ``orth(M) = U V^T`` (M = U S V^T): the same directions as the momentum, every singular
 value set to about 1. A plain gradient step is dominated by a few large directions;
 the orthogonalised one moves all of them at the same rate. ``orth`` is approximated with
-a few Newton-Schulz iterations (matmuls only, so bf16 tensor cores run it).
+a few Newton-Schulz iterations (matmuls only, so bf16 tensor cores run it; on a CPU without
+a fast bf16 path they run in fp32: train.muon_ns_dtype, distlm/train/matmul_dtype.py).
 
 One optimizer object holds two kinds of parameter groups, tagged ``group["kind"]``:
   - ``"muon"``: 2-D matrices (the transformer blocks' linear weights);
@@ -64,13 +65,14 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     them): singular vectors kept, singular values pushed into NS_BAND. Returns ``dtype``.
 
     No data-dependent Python branches (the transpose depends on the shape only), so it
-    traces under torch.compile; the matmuls run in ``dtype`` (bf16: tensor cores).
+    traces under torch.compile; the matmuls run in ``dtype`` (bf16: tensor cores; fp32 on
+    CPUs where bf16 is slow: the result agrees with bf16's to bf16's rounding).
     """
     a, b, c = coeffs
     # The Gram matrix X X^T is the costly part: form it on the short side.
     tall = g.size(-2) > g.size(-1)
     x = g.mT if tall else g
-    # Normalise in the input precision (fp32), then drop to bf16: the norm of a large
+    # Normalise in the input precision (fp32), then drop to ``dtype``: the norm of a large
     # matrix summed in bf16 would lose digits for nothing.
     x = (x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)).to(dtype)
     for _ in range(steps):
@@ -132,7 +134,8 @@ class Muon(torch.optim.Optimizer):
 
     ``process_group``: the DDP group whose ranks hold replicated plain-tensor parameters
     (None: each rank orthogonalises what it holds). DTensor parameters bring their own
-    mesh. ``ns_dtype``: the Newton-Schulz precision (bf16; fp32 for exact comparisons).
+    mesh. ``ns_dtype``: the Newton-Schulz precision (bf16; fp32 for exact comparisons and
+    on CPUs without a fast bf16 path: build_optimizer picks it from train.muon_ns_dtype).
     """
 
     def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,

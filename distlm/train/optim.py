@@ -8,11 +8,13 @@ with the same two groups, for embeddings, the head, norms, biases and scalars; w
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from distlm.config import ConfigError, TrainConfig
+from distlm.config import Config, ConfigError, TrainConfig, updated
+from distlm.train.matmul_dtype import DtypeChoice, MatmulDtypeProbe
 
 # Wrappers that insert a component into parameter names without being part of the model.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -94,13 +96,42 @@ def _adamw_kernel(groups: list[dict], device_type: str) -> dict:
     return dict(fused=True) if device_type == "cuda" and homogeneous else {} if homogeneous else dict(foreach=False)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def ns_dtype_for(cfg: TrainConfig, device: torch.device, probe: Optional[MatmulDtypeProbe] = None) -> DtypeChoice:
+    """train.muon_ns_dtype as a torch dtype: an explicit bf16/fp32 as given; auto as the
+    probe measures this device (bf16 on CUDA; on a CPU the faster of the two)."""
+    if cfg.muon_ns_dtype != "auto":
+        return DtypeChoice(NS_DTYPES[cfg.muon_ns_dtype], {})
+    return (probe or MatmulDtypeProbe()).choose(device)
+
+
+def resolve_ns_dtype(cfg: Config, device: torch.device, comm,
+                     probe: MatmulDtypeProbe) -> tuple[Config, Optional[str]]:
+    """train.muon_ns_dtype=auto made a value before the optimizer is built, so config.yaml
+    records what ran. Every rank must use the same dtype (the Newton-Schulz stacks are
+    redistributed between them): fp32 when any rank measured bf16 slower, as the slowest
+    rank sets the pace. Collective. Returns the config and, where something was measured
+    (a CPU), the line that says what."""
+    if cfg.train.optimizer != "muon" or cfg.train.muon_ns_dtype != "auto":
+        return cfg, None
+    choice = probe.choose(device)
+    wants_fp32 = comm.max(torch.tensor([float(choice.dtype == torch.float32)], device=device))
+    name = "fp32" if float(wants_fp32[0]) else "bf16"
+    line = f"train.muon_ns_dtype=auto: {name} for Newton-Schulz ({choice.describe()} on this CPU)" if choice.seconds else None
+    return updated(cfg, train={"muon_ns_dtype": name}), line
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str,
+                    ns_dtype: Optional[torch.dtype] = None) -> torch.optim.Optimizer:
     """``train.optimizer=adamw``: torch's AdamW over param_groups (decay, no decay).
     ``muon``: one Muon object with groups [AdamW decay, AdamW no decay, Muon, Muon fused
     q/k/v], the empty ones left out; group 0 is AdamW's, so ``param_groups[0]["lr"]`` is
     still the schedule's lr.
     Every group's ``lr`` is the schedule's value; Muon's groups multiply it by
-    ``lr_scale = muon_lr / lr``."""
+    ``lr_scale = muon_lr / lr``. ``ns_dtype``: Newton-Schulz's dtype, as the caller chose it
+    (the Trainer: once, the same on every rank); None: from train.muon_ns_dtype here."""
     if cfg.optimizer != "muon":
         groups = param_groups(model, cfg.weight_decay)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -131,7 +162,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
     # over the DDP group. FSDP2/TP parameters are DTensors and carry their own mesh.
     from torch.nn.parallel import DistributedDataParallel
     group = model.process_group if isinstance(model, DistributedDataParallel) else None
-    return Muon(groups, lr=cfg.lr, process_group=group)
+    if ns_dtype is None:
+        ns_dtype = ns_dtype_for(cfg, torch.device(device_type)).dtype
+    return Muon(groups, lr=cfg.lr, process_group=group, ns_dtype=ns_dtype)
 
 
 @contextlib.contextmanager

@@ -31,21 +31,40 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return read_csv(path)
 
 
+class NothingToPlot(DataError):
+    """Every run named has a metrics.csv without a loss in it (stopped before its first row)."""
+
+
+def _points(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+def _label(name: str, kind: str, points: list) -> str:
+    # A single point draws no line: the label says why the curve is a dot.
+    return f"{name} {kind}" + (f" (1 point, step {points[0][0]})" if len(points) == 1 else "")
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    """The train and validation loss of each run, drawn into ``out``. Raises NothingToPlot
+    (nothing written) when no run has a single loss to draw."""
     # Every run is read before anything is drawn: a missing one fails with nothing written.
     runs = [(Path(run).name, read_metrics(run)) for run in run_dirs]
+    curves = [(name, _points(rows, "loss"), _points(rows, "val_loss")) for name, rows in runs]
+    if not any(train or val for _, train, val in curves):
+        names = ", ".join(str(r) for r in run_dirs)
+        raise NothingToPlot(f"{names}: metrics.csv has no loss yet (the run stopped before its first logged "
+                            f"step): nothing to plot")
     import matplotlib
     matplotlib.use("Agg")  # no display on clusters and CI
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for name, rows in runs:
-        train = [(int(r["step"]), float(r["loss"])) for r in rows if r.get("loss")]
-        val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
+    for name, train, val in curves:
         if train:
-            ax.plot(*zip(*train), label=f"{name} train", lw=1.2, marker="." if len(train) < FEW_POINTS else None)
+            ax.plot(*zip(*train), label=_label(name, "train", train), lw=1.2,
+                    marker="." if len(train) < FEW_POINTS else None, ms=8 if len(train) == 1 else 6)
         if val:
-            ax.plot(*zip(*val), "o--", label=f"{name} val", ms=4)
+            ax.plot(*zip(*val), "o--", label=_label(name, "val", val), ms=4 if len(val) > 1 else 6)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.grid(alpha=0.3)

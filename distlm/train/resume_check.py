@@ -53,6 +53,9 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # is what resume is for.
         "max_steps", "lr", "min_lr", "warmup_steps", "decay", "wsd_decay_fraction", "weight_decay",
         "beta1", "beta2", "eps", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_weight_decay", "grad_clip",
+        "schedule_clock",
+        # The Newton-Schulz matmuls' precision: the same update to bf16's rounding.
+        "muon_ns_dtype",
         # Accumulation only: the same global batch in more or fewer forwards.
         "micro_batch_size",
         # Evaluation, checkpoints, resume itself.

@@ -29,13 +29,14 @@ from distlm.train.fast_defaults import fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
                                  stop_reason)
-from distlm.train.logger import RunLogger, console_line, log_interval
+from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
+from distlm.train.matmul_dtype import MatmulDtypeProbe
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
-from distlm.train.optim import build_optimizer, config_hyperparameters
+from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_ns_dtype
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.runlock import RunLock, claim_run_name
 from distlm.train.samples import console_block, describe as describe_samples
-from distlm.train.schedule import lr_at
+from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.setup import autocast_dtype, build_model, check_memory, compute_context, resolve_device
 
@@ -60,6 +61,13 @@ class Trainer:
         if fast.line and self.dims.is_main:
             print(fast.line, flush=True)
         self.cfg, self.manifest, self.data_dir = fast.cfg, resolved.manifest, resolved.data_dir
+        # Muon's Newton-Schulz dtype: measured on a CPU (bf16 has no fast path on many).
+        self.cfg, ns_line = resolve_ns_dtype(self.cfg, self.device, self.comm, MatmulDtypeProbe())
+        if ns_line and self.dims.is_main:
+            print(ns_line, flush=True)
+        # What the schedule's progress counts (train.schedule_clock); a time clock agrees its
+        # elapsed time over the ranks, so every replica steps with the same rate.
+        self.lr_clock = lr_clock(self.cfg.train, self._agreed_seconds)
         clock.lap("config and data check")
         cfg = self.cfg
         self.amp_dtype = autocast_dtype(cfg, self.device)
@@ -104,6 +112,11 @@ class Trainer:
         self.setup_line = clock.line()  # printed by train(); compilation comes later, in the first step
 
     # ---- set-up -------------------------------------------------------------------
+    def _agreed_seconds(self, seconds: float) -> float:
+        if not self.dims.is_distributed:
+            return seconds
+        return float(self.comm.max(torch.tensor([seconds], dtype=torch.float64, device=self.device))[0])
+
     def _run_dir(self, prefix: str) -> Path:
         name = self.cfg.log.name
         if not name:  # a new, timestamped run: rank 0 claims the folder, every rank uses it
@@ -159,7 +172,7 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "best_val": self.best_val, "best_ckpt": self.best_ckpt, "protected": self.protected,
-                "nan_skips": self.nan_skips}
+                "nan_skips": self.nan_skips, "lr_clock": self.lr_clock.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
@@ -168,6 +181,7 @@ class Trainer:
         self.best_val, self.best_ckpt = state.get("best_val"), state.get("best_ckpt")
         # Runs saved before 2026-11-27 protected one checkpoint per fault; only the latest counts.
         self.protected, self.nan_skips = list(state.get("protected", []))[-1:], int(state.get("nan_skips", 0))
+        self.lr_clock.load_state_dict(state.get("lr_clock", {}))  # absent before train.schedule_clock
 
     # ---- the step -----------------------------------------------------------------
     def compute(self):
@@ -183,8 +197,9 @@ class Trainer:
         A step whose loss or gradient is not finite is skipped or stops training (train.on_nan).
         """
         mark = mark or (lambda phase: None)
+        lr = self.lr_clock.lr(self.step)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.step, self.cfg.train)
+            g["lr"] = lr
         # self.step is the step being trained (it advances at the end): a resumed run cuts
         # the same rows at the same steps.
         micro = [self.seq_schedule.apply(self.step, x.to(self.device, non_blocking=True),
@@ -290,11 +305,12 @@ class Trainer:
         checkpoint is written, so a signal at any point still leaves a resumable run."""
         cfg, main = self.cfg, self.dims.is_main
         logger = RunLogger(self.run_dir, cfg, enabled=main, resume_step=self.step)
+        start_step, t_start = self.step, time.perf_counter()
+        progress = Progress(cfg.train.max_steps, cfg.train.time_limit_s, start_step, t_start)
         bar = None
         # A progress bar only on a terminal: piped to a file, its redraws are thousands of lines.
         if main and cfg.log.progress and sys.stderr.isatty():
-            from tqdm import tqdm
-            bar = tqdm(total=cfg.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True, leave=False)
+            bar = ProgressBar(progress.at(self.step, t_start))
         say = bar.write if bar is not None else print
         if main:
             say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
@@ -302,34 +318,49 @@ class Trainer:
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
             say(self.setup_line)
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
-        start_step, t_start = self.step, time.perf_counter()
+        self.lr_clock.start()
+        stop_cfg = self.lr_clock.stop_config(cfg.train)
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
+        loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
         if main and every != cfg.log.every:  # said once, not done quietly
             say(f"log.every={cfg.log.every}: a row every {every} steps instead, so that this "
                 f"{cfg.train.max_steps}-step run draws about 20 points")
+        logged = None  # the step of the newest row
         self.model.train()
         try:
-            while self.step < cfg.train.max_steps:
+            while not self.lr_clock.complete(self.step):
                 for event in self.loader.epoch_events(self.step) + self.seq_schedule.events(self.step) if main else ():
                     say(event)  # a source starts repeating its data; the warm-up's rows grow
                 loss, grad_norm = self.train_step()
                 watchdog.arm(self.step)  # armed after the first step: compilation may take minutes
+                first, last = self.step == start_step + 1, self.lr_clock.complete(self.step)
+                status = progress.at(self.step, time.perf_counter(), finished=last)
                 if bar is not None:
-                    bar.update(1)
+                    bar.show(status)
                 do_eval = bool(cfg.train.eval_every) and self.step % cfg.train.eval_every == 0
-                if self.step % every == 0 or self.step == cfg.train.max_steps or do_eval:
-                    last_loss, val = self._log_step(logger, say, loss, grad_norm, do_eval, t_start)
-                    last_val = val if do_eval else last_val
+                # The first step of a process gets a row whatever log.every is: a user sees the
+                # run move (and its ETA) within one step, not after log.every of them.
+                if first or self.step % every == 0 or last or do_eval:
+                    last_loss, val = self._log_step(logger, say, loss, grad_norm, do_eval, t_start, status)
+                    last_val, logged = (val if do_eval else last_val), self.step
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save(last_val if do_eval else None)
-                stopped = stop_reason(stop, t_start, cfg.train, self.step, self.dims, self.comm, self.device)
+                stopped = stop_reason(stop, t_start, stop_cfg, self.step, self.dims, self.comm, self.device)
                 if stopped:
                     if main:
                         say(f"{stopped} at step {self.step}: saving a checkpoint and exiting")
                     break
             watchdog.disarm()
+            if stopped and logged != self.step and loss is not None:
+                # The step the run stopped at gets its row, whatever log.every is: a run stopped
+                # early still leaves its last loss in metrics.csv, TensorBoard and the plot.
+                last_loss, _ = self._log_step(logger, say, loss, grad_norm, False, t_start,
+                                              progress.at(self.step, time.perf_counter()))
+            if not stopped and start_step < self.step < cfg.train.max_steps and main:
+                say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
+                    f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
             final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step)
             last_val = final["val_loss"]
         finally:
@@ -341,8 +372,11 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         if main:
-            from distlm.train.plot import plot_runs
-            plot_runs([self.run_dir], self.run_dir / "loss.png")
+            from distlm.train.plot import NothingToPlot, plot_runs
+            try:
+                plot_runs([self.run_dir], self.run_dir / "loss.png")
+            except NothingToPlot:
+                pass  # a run resumed at its end trained nothing and logged nothing: no empty frame
         return {"step": self.step, "train_loss": last_loss, "val_loss": last_val, "stopped": stopped,
                 "checkpoint": str(final["checkpoint"]) if final["checkpoint"] else None,
                 "run_dir": str(self.run_dir), "val_on": self.task.describe_eval()}
@@ -361,7 +395,9 @@ class Trainer:
         if not ran:
             complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
             if self.dims.is_main:
-                print(f"the run is already at train.max_steps={self.cfg.train.max_steps}: nothing to train")
+                where = (f"train.max_steps={self.cfg.train.max_steps}" if self.step >= self.cfg.train.max_steps
+                         else f"the end of its schedule (step {self.step}, train.schedule_clock=time)")
+                print(f"the run is already at {where}: nothing to train")
             saved_val = ckpt.read_meta(complete[-1]).get("val_loss") if complete else None
             return {"checkpoint": complete[-1] if complete else None,
                     "val_loss": float("nan") if saved_val is None else saved_val}
@@ -399,7 +435,8 @@ class Trainer:
             self.best_val, self.best_ckpt = val_loss, folder.name
         ckpt.update_meta(folder, memo=self.verified, val_loss=val_loss, trainer=self.state_dict())
 
-    def _log_step(self, logger, say, loss, grad_norm, do_eval: bool, t_start: float) -> tuple[float, Optional[float]]:
+    def _log_step(self, logger, say, loss, grad_norm, do_eval: bool, t_start: float,
+                  status) -> tuple[float, Optional[float]]:
         cfg = self.cfg
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # time what ran, not what was queued
@@ -417,7 +454,7 @@ class Trainer:
         logger.log(self.step, row)
         if self.dims.is_main:
             measured_on = self.task.describe_eval()
-            say(console_line(self.step, row) + (f" on {measured_on}" if do_eval and measured_on else ""))
+            say(console_line(status, row) + (f" on {measured_on}" if do_eval and measured_on else ""))
         if do_eval:
             self._samples(logger, say)
         self._window = (time.perf_counter(), self.step)
