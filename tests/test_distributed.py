@@ -353,7 +353,7 @@ def test_a_replaced_node_rejoins_and_the_run_resumes(root, reference):
     deadline = time.monotonic() + 600  # bounds a hang only: the checkpoint is the event
     while not ckpt(root, "replaced").is_dir():  # renamed into place once complete
         assert time.monotonic() < deadline and node0.poll() is None, "no checkpoint from the two-node run"
-        time.sleep(0.05)
+        time.sleep(0.2)
     # torchrun starts each worker in a session of its own: the node is its agent and those
     for pid in [*descendants(lost.pid), lost.pid]:
         os.kill(pid, signal.SIGKILL)
