@@ -7,9 +7,9 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One intra-op thread, in this process (torch reads it when first imported, after this file)
 # and in every process a test starts. The models here are tiny: a second thread buys nothing,
-# and on a busy machine the two spin in OpenMP barriers. Measured on the 2-core box at load
-# ~20: test_trainer.py + test_checkpoint_integrity.py took 723 s wall, 108 s CPU with two
-# threads, and 168 s, 22 s CPU with one. Set OMP_NUM_THREADS to choose otherwise.
+# and on a busy machine the two spin in OpenMP barriers. Measured side by side on the 2-core
+# box at load 10-20 (2026-11-27): test_trainer.py took 705 s wall and 103 s CPU with two
+# threads, 293 s and 19 s with one. Set OMP_NUM_THREADS to choose otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
