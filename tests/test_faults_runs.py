@@ -25,6 +25,13 @@ def one_line_error(proc) -> str:
     return lines[0]
 
 
+def run_together(*cmds) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen(c, cwd=str(fh.ROOT), env=fh.child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for c in cmds]
+    outs = [p.communicate(timeout=fh.WAIT_S) for p in procs]
+    return [subprocess.CompletedProcess(c, p.returncode, *out) for c, p, out in zip(cmds, procs, outs)]
+
+
 def test_a_second_trainer_on_the_same_run_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
     first = fh.launch(fh.train_cmd(tmp_path, "x", *LONG), tmp_path / "first.log")
     try:
@@ -32,9 +39,10 @@ def test_a_second_trainer_on_the_same_run_is_refused_and_the_lock_dies_with_its_
             (tmp_path / "first.log").read_text()
         # The same name started fresh is refused as an existing run; with resume=auto (which
         # would truncate the live run's metrics.csv) the lock refuses it, naming the holder.
-        fresh = one_line_error(fh.run(fh.train_cmd(tmp_path, "x")))
+        # Both start together: the first trainer trains (and costs CPU) until they are done.
+        fresh, err = (one_line_error(p) for p in run_together(fh.train_cmd(tmp_path, "x"),
+                                                              fh.train_cmd(tmp_path, "x", "train.resume=auto")))
         assert "already exists" in fresh, fresh
-        err = one_line_error(fh.run(fh.train_cmd(tmp_path, "x", "train.resume=auto")))
         assert "in use by another trainer" in err and f"PID {first.pid}" in err, err
         rows_before = fh.metric_rows(tmp_path / "x")
         assert rows_before, "the first trainer's metrics were lost"
