@@ -5,6 +5,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread, in this process (torch reads it when first imported, after this file)
+# and in every process a test starts. The models here are tiny: a second thread buys nothing,
+# and on a busy machine the two spin in OpenMP barriers. Measured side by side on the 2-core
+# box at load 10-20 (2026-11-27): test_trainer.py took 705 s wall and 103 s CPU with two
+# threads, 293 s and 19 s with one. Set OMP_NUM_THREADS to choose otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -47,3 +53,36 @@ def tiny_data(tmp_path_factory, text_dir) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare([str(text_dir)], out, tokenizer="gpt2", val_fraction=0.2, seed=0, workers=1, progress=False)
     return out
+
+
+# ---- where the suite's time goes ------------------------------------------------------
+# DISTLM_TEST_CPU=FILE writes, per test, its wall seconds and the CPU seconds it cost (this
+# process plus the children it waited for), setup and teardown included. On a shared box the
+# wall time says more about the neighbours than the test; CPU time is what a test costs.
+_CPU: dict = {}
+
+
+def _cpu_now() -> tuple[float, float, float]:
+    import resource
+    import time
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not os.environ.get("DISTLM_TEST_CPU"):
+        yield
+        return
+    t0 = _cpu_now()
+    yield
+    t1 = _cpu_now()
+    _CPU[item.nodeid] = [round(b - a, 2) for a, b in zip(t0, t1)]
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("DISTLM_TEST_CPU")
+    if path and _CPU:
+        import json
+        rows = {k: dict(zip(("wall_s", "cpu_s", "children_cpu_s"), v)) for k, v in _CPU.items()}
+        Path(path).write_text(json.dumps(rows, indent=1))

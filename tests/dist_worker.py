@@ -2,7 +2,9 @@
 
     torchrun --standalone --nproc_per_node 4 tests/dist_worker.py PLAN.json
 
-PLAN.json: {"out": "results.json", "jobs": [{"name": "fsdp4", "overrides": [...]}, ...]}.
+PLAN.json: {"out": "results.json", "jobs": [{"name": "fsdp4", "overrides": [...]}, ...]}; a job with
+"count_collectives": true also records the collectives of one update (TP only); "cli": [argv, ...]
+runs `distlm ARGV` after the jobs.
 Each job is ``distlm train`` with those overrides (the same Trainer the CLI builds). Losses
 and grad norms land in each run's metrics.csv; rank 0 writes what only a live process can
 see (weights at init, tying, FSDP units, group timeouts) to ``out``.
@@ -169,7 +171,9 @@ def main(plan_path: str) -> None:
             info.update(inspect_model(trainer))
             if (trainer.dims.dp_shard > 1 or trainer.dims.tp > 1) and trainer.stepper.parts is None:
                 info["grad_norms"] = norm_paths(trainer)
-            if trainer.dims.tp > 1 and trainer.stepper.parts is None:
+            # Three more forward/backward passes under dispatch modes: only for the jobs whose
+            # collectives a test counts (a few seconds each on two cores).
+            if job.get("count_collectives") and trainer.dims.tp > 1 and trainer.stepper.parts is None:
                 info["update_collectives"] = update_collectives(trainer)
         trainer.train()
         info["tied_after_training"] = _tied(trainer.gpt)
@@ -179,7 +183,15 @@ def main(plan_path: str) -> None:
         results[job["name"]] = gathered
     if dist.get_rank() == 0:
         Path(plan["out"]).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    # Then commands as `distlm ...` runs them under torchrun, in this launch instead of one of
+    # their own. The CLI takes the process group down when it returns, so these come last.
+    from distlm.cli import main as cli
+    for argv in plan.get("cli", []):
+        rc = cli(argv)
+        if rc != 0:
+            sys.exit(f"distlm {' '.join(argv)} exited {rc}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

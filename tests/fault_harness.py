@@ -31,6 +31,9 @@ CLI_TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff
             "train.eval_every=0", "train.warmup_steps=2", "train.device=cpu", "log.every=1", "log.progress=false",
             "log.tensorboard=false", "parallel.timeout_s=60"]
 COLS = ("step", "loss", "grad_norm", "lr")
+# How long a wait for an event (a line, a file, a process gone) may take before the test
+# gives up. Only a hang should reach it: on a 2-core box at load 15 a start-up took 90 s.
+WAIT_S = 600
 
 
 def child_env() -> dict:
@@ -197,17 +200,17 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
         proc.kill()
     except ProcessLookupError:
         pass
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in victims):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"processes {[p for p in victims if _alive(p)]} survived SIGKILL")
-        time.sleep(0.01)
+    proc.wait(timeout=WAIT_S)
+    survivors = lambda: [p for p in victims if _alive(p)]  # noqa: E731
+    assert wait_until(lambda: not survivors(), WAIT_S), f"processes {survivors()} survived SIGKILL"
     return victims
 
 
-def wait_for(pred, proc: subprocess.Popen, timeout: float, poll: float = 0.003) -> bool:
-    """Poll ``pred()`` until true (True) or the process exits / time runs out (False)."""
+def wait_for(pred, proc: subprocess.Popen, timeout: float = None, poll: float = 0.003) -> bool:
+    """Poll ``pred()`` until true (True) or the process exits (False, unless ``pred()`` then
+    holds). ``timeout`` only bounds a hang: on a loaded machine an event may come late, so
+    callers pass a generous one (default WAIT_S)."""
+    timeout = WAIT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -218,13 +221,23 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float, poll: float = 0.003) 
     return False
 
 
+def wait_until(pred, timeout: float = None, poll: float = 0.01) -> bool:
+    """Poll ``pred()`` until true; False only if it never became true within ``timeout``."""
+    deadline = time.monotonic() + (WAIT_S if timeout is None else timeout)
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
 # ---- the kill campaign ----------------------------------------------------------------
 @dataclass
 class Attempt:
     index: int
     run: str
     resumed_from: int  # newest complete checkpoint when it started (0: none)
-    plan: str  # "startup d" or "after step s + d"
+    plan: str  # "startup at EVENT", "inside a save" or "step s +d"
     killed: bool = False
     phase: str = ""  # what the kill hit: startup / step / save / prune / finished
     reached: int = 0  # last step this attempt printed
@@ -234,27 +247,60 @@ class Attempt:
     seconds: float = 0.0
 
 
+# Moments of start-up a kill can be aimed at, each an event the attempt shows: right after
+# the launch (imports under way), its first line of output (the config resolved), and the
+# run banner (the model built, a checkpoint loaded, the first step about to start).
+STARTUP_EVENTS = ("launch", "first line", "banner")
+
+
+def _startup_event(event: str, log: Path):
+    if event == "launch":
+        return lambda: True
+    if event == "first line":
+        return lambda: log.stat().st_size > 0
+    return lambda: re.search(r"^run \S+ \|", log.read_text(errors="replace"), re.M) is not None
+
+
+def _new_tmp_checkpoint(run_dir: Path, since: float):
+    """A save under way: a .tmp-step_* folder this attempt made (mtime after its launch)."""
+    folder = run_dir / "checkpoints"
+
+    def seen() -> bool:
+        try:
+            return any(p.name.startswith(".tmp-step_") and p.stat().st_mtime >= since for p in folder.iterdir())
+        except OSError:  # no folder yet, or the .tmp folder renamed between listing and stat
+            return False
+    return seen
+
+
 @dataclass
 class Campaign:
     """Launch the same run with train.resume=auto again and again, SIGKILLing it at
     moments drawn from ``rng``, until ``min_kills`` kills are done; then let it finish.
 
-    A kill is planned either from the launch ("startup": uniform over the measured
-    start-up time) or from the moment the attempt prints a chosen step (a few steps
-    past the resume point; the line follows its metrics.csv row) plus a uniform delay of
-    up to ``after_s``; a save (every even step) starts right after that line, so the
-    delays cover the next step, the save (.tmp-step_* written, renamed) and the prune.
+    Each kill waits for an event of the attempt, never for a fixed time, so a loaded
+    machine only makes the campaign slower:
+      - "startup": one of STARTUP_EVENTS, then the kill at once;
+      - "step s + d": the console line of a chosen step (a few steps past the resume
+        point; the line follows its metrics.csv row), then a random delay of up to
+        ``after_s`` (the kill moment, drawn, not a wait); a save (every even step) starts
+        right after that line, so the delays cover the next step, the save and the prune;
+      - "save": a .tmp-step_* folder of this attempt appearing: the kill (which stops the
+        process before anything else) lands inside the save.
+    Phases in ``require`` that the drawn kills did not hit are then aimed at directly
+    (a "save" kill can miss a save that finishes between two polls: it is tried again).
     """
     root: Path
     name: str
     rng: random.Random
-    startup_s: float
     after_s: float
     min_kills: int
     nproc: int = 1
     extra: tuple = ()
     startup_share: float = 0.2
+    save_share: float = 0.15
     advance: tuple = (1, 4)  # a planned kill waits for a step this many steps past the resume point
+    require: tuple = ()  # phases (startup, save) that must be among the kills
     max_attempts: int = 60
     check_loads: bool = True
     attempts: list[Attempt] = field(default_factory=list)
@@ -273,50 +319,67 @@ class Campaign:
     def kills(self) -> int:
         return sum(a.killed for a in self.attempts)
 
+    def missing(self) -> list[str]:
+        hit = {a.phase for a in self.attempts if a.killed}
+        return [p for p in self.require if p not in hit]
+
     def _newest(self) -> int:
         complete, _ = checkpoints(self.run_dir)
         return step_of(complete[-1]) if complete else 0
 
     def run(self) -> "Campaign":
-        """Victim runs until ``min_kills`` kills are done: normally one, but a fast machine
-        may finish a run before that, and then a fresh one takes the remaining kills."""
-        while not self.victims or self.kills < self.min_kills:
+        """Victim runs until ``min_kills`` kills are done and the required phases hit:
+        normally one, but a fast machine may finish a run before that, and then a fresh one
+        takes the remaining kills."""
+        while not self.victims or self.kills < self.min_kills or self.missing():
             self.victims.append(self.name if not self.victims else f"{self.name}-{len(self.victims)}")
             self._one_victim()
         return self
+
+    def _plan(self, start_step: int) -> tuple[str, Optional[str], Optional[int], float]:
+        """(kind, startup event, target step, delay) of the next kill."""
+        if self.kills >= self.min_kills:  # the drawn kills are done: aim at what they missed
+            kind = self.missing()[0]
+        else:
+            r = self.rng.random()
+            kind = "startup" if r < self.startup_share else "save" if r < self.startup_share + self.save_share \
+                else "step"
+        if kind == "startup":
+            return kind, self.rng.choice(STARTUP_EVENTS), None, 0.0
+        if kind == "save":
+            return kind, None, None, 0.0
+        target, delay = start_step + self.rng.randint(*self.advance), self.rng.uniform(0.0, self.after_s)
+        return kind, None, max(start_step + 1, min(target, STEPS - 1)), delay  # while kills are due, never the last step
 
     def _one_victim(self) -> None:
         cmd = train_cmd(self.root, self.victims[-1], "train.resume=auto", *self.extra, nproc=self.nproc)
         while True:
             i = len(self.attempts)
             if i >= self.max_attempts:
-                raise AssertionError(f"{self.victims[-1]}: not finished after {i} attempts")
+                raise AssertionError(f"{self.victims[-1]}: not finished after {i} attempts "
+                                     f"({self.kills} kills, phases not hit: {self.missing()})")
             start_step = self._newest()
             torn_before = checkpoints(self.run_dir)[1]
-            kill = self.kills < self.min_kills
-            if kill and self.rng.random() < self.startup_share:
-                delay, target = self.rng.uniform(0.0, self.startup_s), None
-                plan = f"startup +{delay:.3f}s"
-            else:
-                target, delay = start_step + self.rng.randint(*self.advance), self.rng.uniform(0.0, self.after_s)
-                target = max(start_step + 1, min(target, STEPS - 1))  # while kills are due, never the last step
-                plan = f"step {target} +{delay:.3f}s"
-            a = Attempt(i, self.victims[-1], start_step, plan if kill else "run to the end")
+            kill = self.kills < self.min_kills or bool(self.missing())
+            kind, event, target, delay = self._plan(start_step) if kill else ("", None, None, 0.0)
+            plan = {"startup": f"startup at {event}", "save": "inside a save",
+                    "step": f"step {target} +{delay:.3f}s"}.get(kind, "run to the end")
+            a = Attempt(i, self.victims[-1], start_step, plan)
             log = self.root / f"{self.victims[-1]}.attempt{i:02d}.log"
             t0, wall0 = time.monotonic(), time.time()
             proc = launch(cmd, log)
-            if kill:
-                if target is None:  # a start-up kill: at the delay, or at the first step if that comes first
-                    wait_for(lambda: time.monotonic() - t0 >= delay or last_console_step(log) > 0, proc,
-                             timeout=delay + 1)
-                else:
-                    wait_for(lambda: last_console_step(log) >= target, proc, timeout=120)
-                    time.sleep(delay)
-                if proc.poll() is None:
-                    kill_tree(proc)
-                    a.killed = True
+            if kind == "startup":
+                wait_for(_startup_event(event, log), proc)
+            elif kind == "save":
+                wait_for(_new_tmp_checkpoint(self.run_dir, wall0 - 0.05), proc)
+            elif kind == "step":
+                wait_for(lambda: last_console_step(log) >= target, proc)
+                time.sleep(delay)  # the drawn kill moment inside the next step, save or prune
+            if kill and proc.poll() is None:
+                kill_tree(proc)
+                a.killed = True
             if not a.killed:
-                a.rc = proc.wait(timeout=240)
+                a.rc = proc.wait(timeout=WAIT_S)
             a.seconds = time.monotonic() - t0
             self._inspect(a, log, wall0, torn_before)
             self.attempts.append(a)

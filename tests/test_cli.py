@@ -15,12 +15,25 @@ SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64
 
 
 def distlm(*args, cwd=None, check=True, stdin=None):
+    return distlm_all(args, cwd=cwd, check=check, stdins=[stdin])[0]
+
+
+def distlm_all(*commands, cwd=None, check=True, stdins=None) -> list[subprocess.CompletedProcess]:
+    """Several `python -m distlm ...` at once (each pays seconds of imports), results in order;
+    ``stdins``: the text each one reads on stdin (None: it inherits ours, as before)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "distlm", *map(str, args)], cwd=cwd, env=env, input=stdin,
-                       capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
-        raise AssertionError(f"distlm {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
+    stdins = stdins or [None] * len(commands)
+    procs = [subprocess.Popen([sys.executable, "-m", "distlm", *map(str, args)], cwd=cwd, env=env, text=True,
+                              stdin=subprocess.PIPE if text is not None else None,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, text in zip(commands, stdins)]
+    out = []
+    for args, text, proc in zip(commands, stdins, procs):
+        stdout, stderr = proc.communicate(text, timeout=600)
+        p = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+        if check and p.returncode != 0:
+            raise AssertionError(f"distlm {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        out.append(p)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +50,23 @@ def test_prepare_train_eval_generate(e2e):
     tmp, train = e2e
     assert "done: step 20" in train.stdout
     assert "tok/s" in train.stdout and "mfu n/a" in train.stdout  # no peak is known for a CPU
-    ev = json.loads(distlm("eval", "--checkpoint", tmp / "runs" / "r", "--json").stdout)
-    assert ev["split"] == "val" and 0 < ev["loss"] < 10 and ev["perplexity"] > 1
-    gen = distlm("generate", "--checkpoint", tmp / "runs" / "r", "--prompt", "Call me", "--max-new-tokens", "12",
-                 "--seed", "1", "--num-samples", "2")
-    assert gen.stdout.count("--- sample") == 2
-    again = distlm("generate", "--checkpoint", tmp / "runs" / "r", "--prompt", "Call me", "--max-new-tokens", "12",
-                   "--seed", "1", "--num-samples", "2")
-    assert gen.stdout == again.stdout  # seeded
     prompts = tmp / "prompts.txt"
     prompts.write_text("The king\nAlice was\n")
-    distlm("generate", "--checkpoint", tmp / "runs" / "r", "--prompts-file", prompts, "--out", tmp / "o.jsonl",
-           "--max-new-tokens", "5", "--seed", "0")
+    seeded = ["generate", "--checkpoint", tmp / "runs" / "r", "--prompt", "Call me", "--max-new-tokens", "12",
+              "--seed", "1", "--num-samples", "2"]
+    ev, gen, again, _, repl, plot = distlm_all(
+        ["eval", "--checkpoint", tmp / "runs" / "r", "--json"], seeded, seeded,
+        ["generate", "--checkpoint", tmp / "runs" / "r", "--prompts-file", prompts, "--out", tmp / "o.jsonl",
+         "--max-new-tokens", "5", "--seed", "0"],
+        ["generate", "--checkpoint", tmp / "runs" / "r", "--interactive", "--max-new-tokens", "4"],
+        ["plot", tmp / "runs" / "r", "--out", tmp / "cmp.png"], stdins=[None, None, None, None, "Hello\n\n", None])
+    ev = json.loads(ev.stdout)
+    assert ev["split"] == "val" and 0 < ev["loss"] < 10 and ev["perplexity"] > 1
+    assert gen.stdout.count("--- sample") == 2
+    assert gen.stdout == again.stdout  # seeded
     lines = [json.loads(x) for x in (tmp / "o.jsonl").read_text().splitlines()]
     assert [x["prompt"] for x in lines] == ["The king", "Alice was"] and len(lines[0]["completions"]) == 1
-    repl = distlm("generate", "--checkpoint", tmp / "runs" / "r", "--interactive", "--max-new-tokens", "4",
-                  stdin="Hello\n\n")
     assert "interactive" in repl.stdout
-    plot = distlm("plot", tmp / "runs" / "r", "--out", tmp / "cmp.png")
     assert (tmp / "cmp.png").stat().st_size > 1000 and "wrote" in plot.stdout
 
 
@@ -69,21 +81,28 @@ def _fails(p, *needles):
 def test_bad_inputs_are_one_clear_line(e2e, tmp_path):
     tmp, _ = e2e
     data, run = tmp / "data", tmp / "runs" / "r"
-    _fails(distlm("prepare", tmp_path / "nope.txt", "--out", tmp_path / "o", check=False), "nope.txt")
+    # Independent commands, started together; each refusal checked in the order written.
+    nope, typo, preset, vocab, block, exists, cuda, shape, empty = distlm_all(
+        ["prepare", tmp_path / "nope.txt", "--out", tmp_path / "o"],
+        ["train", "train.max_stpes=3"],
+        ["train", "--config", "tiy"],
+        ["train", "--config", "tiny", f"data.dir={data}", "model.vocab_size=100"],
+        ["train", "--config", "tiny", *SMALL, f"data.dir={data}", "model.block_size=100000", f"log.root={tmp_path}"],
+        ["train", "--config", "tiny", *SMALL, f"data.dir={data}", f"log.root={tmp / 'runs'}", "log.name=r"],
+        ["train", "--config", "tiny", *SMALL, f"data.dir={data}", "train.device=cuda", f"log.root={tmp_path}"],
+        ["train", "--config", "tiny", *SMALL, "model.d_model=64", f"data.dir={data}", f"train.resume={run}",
+         f"log.root={tmp_path}", "log.name=x"],
+        ["eval", "--checkpoint", tmp_path / "empty"], check=False)
+    _fails(nope, "nope.txt")
     assert not (tmp_path / "o").exists()
-    _fails(distlm("train", "train.max_stpes=3", check=False), "did you mean 'max_steps'")
-    _fails(distlm("train", "--config", "tiy", check=False), "unknown preset 'tiy'", "did you mean 'tiny'")
-    _fails(distlm("train", "--config", "tiny", f"data.dir={data}", "model.vocab_size=100", check=False),
-           "model.vocab_size=100", "manifest.json")
-    _fails(distlm("train", "--config", "tiny", *SMALL, f"data.dir={data}", "model.block_size=100000",
-                  f"log.root={tmp_path}", check=False), "block_size=100000", "longer than the data")
-    _fails(distlm("train", "--config", "tiny", *SMALL, f"data.dir={data}", f"log.root={tmp / 'runs'}",
-                  "log.name=r", check=False), "already exists", "resume=auto")
-    _fails(distlm("train", "--config", "tiny", *SMALL, f"data.dir={data}", "train.device=cuda",
-                  f"log.root={tmp_path}", check=False), "train.device=cuda", "CUDA is not available")
-    _fails(distlm("train", "--config", "tiny", *SMALL, "model.d_model=64", f"data.dir={data}",
-                  f"train.resume={run}", f"log.root={tmp_path}", "log.name=x", check=False), "shape")
-    _fails(distlm("eval", "--checkpoint", tmp_path / "empty", check=False), "no complete checkpoint")
+    _fails(typo, "did you mean 'max_steps'")
+    _fails(preset, "unknown preset 'tiy'", "did you mean 'tiny'")
+    _fails(vocab, "model.vocab_size=100", "manifest.json")
+    _fails(block, "block_size=100000", "longer than the data")
+    _fails(exists, "already exists", "resume=auto")
+    _fails(cuda, "train.device=cuda", "CUDA is not available")
+    _fails(shape, "shape")
+    _fails(empty, "no complete checkpoint")
 
 
 def test_overrides_may_come_after_flags(capsys):

@@ -82,9 +82,10 @@ def child_env() -> dict:
     return env
 
 
-def check(procs: list[subprocess.Popen], log: Path, timeout: float = 240) -> None:
+def check(procs: list[subprocess.Popen], log: Path, timeout: float = 600) -> None:
     """Wait for all; on failure show the first error lines of each rank (the tail is
-    mostly the other ranks reporting that a peer went away)."""
+    mostly the other ranks reporting that a peer went away). The timeout only bounds a
+    hang: a launch of several jobs takes minutes on a loaded two-core box."""
     outs = []
     for p in procs:
         try:
@@ -106,10 +107,11 @@ def torchrun(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run_worker(root: Path, nproc: int, jobs: list[dict], *torchrun_args: str) -> dict:
+def run_worker(root: Path, nproc: int, jobs: list[dict], *torchrun_args: str, cli: list | None = None) -> dict:
+    """Every job in one launch; ``cli``: `distlm ARGV` commands run after them, in the same launch."""
     plan = root / f"plan_{nproc}.json"
     out = root / f"results_{nproc}.json"
-    plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    plan.write_text(json.dumps({"out": str(out), "jobs": jobs, "cli": [[str(a) for a in argv] for argv in cli or []]}))
     check([torchrun("--standalone", f"--nproc_per_node={nproc}", *torchrun_args, str(WORKER), str(plan))],
           root / f"launch_{nproc}.log")
     return json.loads(out.read_text())
@@ -296,7 +298,7 @@ def test_hsdp_on_two_nodes_shards_inside_a_node(root):
                       "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.dp_replicate=2",
                       "parallel.dp_shard=2", "parallel.timeout_s=60", f"log.root={root}",
                       "--warmup", "1", "--steps", "1", "--no-comm-probe", "--json", str(out)) for i in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert json.loads(out.read_text())["mesh_spread"] == {"nodes": 2, "nodes_spanned": {"dp_replicate": 2,
                                                                                         "dp_shard": 1}}
@@ -348,7 +350,7 @@ def test_a_replaced_node_rejoins_and_the_run_resumes(root, reference):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     node0, lost = agent(0), agent(1)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # bounds a hang only: the checkpoint is the event
     while not ckpt(root, "replaced").is_dir():  # renamed into place once complete
         assert time.monotonic() < deadline and node0.poll() is None, "no checkpoint from the two-node run"
         time.sleep(0.2)
