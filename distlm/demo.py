@@ -1,7 +1,7 @@
 """`make run`: prepare the vendored Gutenberg books, train, evaluate, sample, plot. Offline.
 
 On CPU it trains the `demo` preset (the `tiny` shape with Muon, RoPE, RMSNorm, QK-norm,
-ReLU^2 and a WSD schedule; benchmarks/cpu-demo.md) on a 4,096-token BPE trained on the
+ReLU^2 and a WSD schedule; docs/results/time-to-loss.md) on a 4,096-token BPE trained on the
 corpus (GPT-2's 50k vocabulary would make the output layer most of a small model's cost);
 on CUDA a larger model on GPT-2's tokenizer.
 """
@@ -19,7 +19,7 @@ CPU_OVERRIDES: list[str] = []
 # end within the limit.
 CUDA_OVERRIDES = ["model.n_layer=6", "model.n_head=6", "model.d_model=384", "model.d_ff=1536",
                   "model.block_size=256", "train.global_batch_size=64", "train.micro_batch_size=64",
-                  "train.max_steps=1500", "train.lr=1e-3", "train.eval_every=250", "train.checkpoint_every=500",
+                  "train.max_steps=750", "train.lr=1e-3", "train.eval_every=250", "train.checkpoint_every=250",
                   "log.every=50", "train.time_limit_s=200", "train.schedule_clock=time"]
 
 

@@ -2,7 +2,7 @@
 
 torch.compile guards on the grad mode and on every module's training flag, so evaluating a
 compiled model under ``no_grad`` in eval mode is another graph, compiled at the first
-evaluation: 7.6 s of a 94 s `speedrun-124m` run on an H100 (benchmarks/speedrun.md), for
+evaluation: 7.6 s of a 94 s `speedrun-124m` run on an H100 (docs/results/time-to-loss.md), for
 three evaluations that then take about a second each. Three ways to evaluate:
 
 ``NoGradEval``       eval mode, no autograd; compiled graphs of its own (the default), or eager

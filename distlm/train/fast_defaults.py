@@ -24,7 +24,7 @@ from typing import Any, Optional
 from distlm.config import Config, ConfigError, updated
 from distlm.planner import GIB, Estimate, Layout, estimate
 
-# benchmarks/RESULTS.md: with the whole forward compiled, as fast as 4096 and as the whole
+# docs/results/speed.md: with the whole forward compiled, as fast as 4096 and as the whole
 # logits (within 0.4%), with 11-14% less peak memory; the best single-GPU figure used it.
 LOSS_CHUNK = 8192
 # The micro-batch of gpt2-124m-1024's fastest measurements on one GPU; nothing larger was
