@@ -80,7 +80,7 @@ def pytest_runtest_protocol(item, nextitem):
     _CPU[item.nodeid] = [round(b - a, 2) for a, b in zip(t0, t1)]
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish():  # the hook may take none of its arguments
     path = os.environ.get("DISTLM_TEST_CPU")
     if path and _CPU:
         import json

@@ -26,6 +26,7 @@ reason; a command of a kind NOT_RUN does not cover must run or the test fails.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -230,7 +231,8 @@ def validate(cmd: Command) -> None:
     elif head in ("python", "python3"):
         assert (ROOT / words[1]).is_file(), f"{cmd}: {words[1]} does not ship"
     elif head == "source":
-        assert words[1] == ".venv/bin/activate", f"{cmd}: the venv make creates is .venv"
+        assert Path(words[1]) in (Path(".venv/bin/activate"), ROOT / ".venv/bin/activate"), \
+            f"{cmd}: the venv make creates is .venv"
     elif head == "tensorboard":
         assert _take(words, ("--logdir",), "").endswith("/tensorboard"), f"{cmd}: a run's tensorboard/ folder"
     else:
@@ -245,9 +247,24 @@ def in_repo(word: str, cwd: Path) -> str:
     key, eq, value = word.partition("=")
     if eq and value in PLACEHOLDERS:  # task.init_from=runs/my-lm
         return f"{key}={cwd / value.lstrip('/')}"
-    if "/" in word and "=" not in word and not word.startswith("-") and (ROOT / word).exists():
+    if "/" in word and "=" not in word and not word.startswith("-") and ships(word):
         return str(ROOT / word)
     return word
+
+
+def ships(word: str) -> bool:
+    """Whether a fresh clone holds this path, also through a tracked link (configs/ is one)."""
+    real = (ROOT / word).resolve()
+    return word.rstrip("/") in shipped() or (real.is_relative_to(ROOT) and str(real.relative_to(ROOT)) in shipped())
+
+
+@functools.lru_cache(maxsize=1)
+def shipped() -> frozenset[str]:
+    """The tracked files and the folders above them: what a fresh clone holds. A path that
+    exists only because `make run` or an earlier test made it (data/, runs/, .venv/) is not
+    one, so a command that makes it again is run in cwd as a reader's would be."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return frozenset(files) | {str(parent) for f in files for parent in Path(f).parents if str(parent) != "."}
 
 
 def test_documented_commands_validate(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import yaml
 
 from distlm.config import ConfigError, config_from_dict, load_config, to_yaml
 from distlm.parallel.dims import ParallelDims
-from distlm.planner import GIB
+from distlm.model.memory import GIB
 from distlm.train.fast_defaults import (CPU_MICRO_CAP, GPU_MICRO_CAP, HEADROOM, LOSS_CHUNK, Device, choose,
                                         fast_defaults, memory_estimate)
 from distlm.train.resume_check import differences

@@ -103,7 +103,7 @@ def test_absurd_numbers_on_the_command_line_are_refused_by_name(override, needle
 def test_the_planner_counts_the_parameters_the_model_holds():
     """The memory checks rest on this count; every option that adds tables is compared."""
     from distlm.model.gpt import GPT
-    from distlm.planner import model_parameters
+    from distlm.model.memory import model_parameters
     for extra in ([], ["model.tie_embeddings=false", "model.mlp=swiglu", "model.bias=false"],
                   ["model.position=learned", "model.norm=rmsnorm", "model.value_embeds=1", "model.n_layer=4"]):
         m = load_config("tiny", ["model.vocab_size=1000", *extra]).model
@@ -116,9 +116,9 @@ def test_a_run_that_cannot_fit_is_refused_before_its_folder_exists(tiny_data, tm
     """The planner's estimate is checked against the host's free RAM before the run folder is
     made (a refused start used to leave a folder holding only .lock); train.memory_check=false
     starts it anyway."""
-    import distlm.planner as planner
+    import distlm.train.memory_check as memory_check
     from distlm.train.trainer import Trainer
-    monkeypatch.setattr(planner, "host_available_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    monkeypatch.setattr(memory_check, "host_available_bytes", lambda: 1 << 20)  # a 1 MiB machine
     root = tmp_path / "runs"
     cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=1", f"log.root={root}"])
     with pytest.raises(ConfigError) as e:
@@ -134,19 +134,19 @@ def test_a_run_that_cannot_fit_is_refused_before_its_folder_exists(tiny_data, tm
 def test_loading_a_checkpoint_checks_memory_first(run, monkeypatch):
     """The weights and position tables a load allocates (and, for generate, the KV cache and
     logits of its samples) are compared with the free RAM before anything is allocated."""
-    import distlm.planner as planner
+    import distlm.model.memory as memory
     from distlm.model import load as load_mod
-    from distlm.planner import inference_bytes
+    from distlm.model.memory import inference_bytes
     folder, meta = _saved(run)
     cfg = config_from_dict(meta["config"])
     weights = inference_bytes(cfg.model)
-    monkeypatch.setattr(planner, "host_available_bytes", lambda: weights - 1)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: weights - 1)
     built = []
     monkeypatch.setattr(load_mod, "_module", lambda *a: built.append(a))
     with pytest.raises(ConfigError, match="needs about .* GiB but this machine's RAM has"):
         load_mod.load_trained(run, "cpu", task="lm")
     assert not built
-    monkeypatch.setattr(planner, "host_available_bytes", lambda: weights + 1)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: weights + 1)
     load_mod.check_model_fits(cfg, "cpu", folder)  # the weights alone fit
     with pytest.raises(ConfigError, match="4096 samples at once"):
         load_mod.check_model_fits(cfg, "cpu", folder, batch=4096, kept_tokens=16 + 200)

@@ -74,7 +74,7 @@ def check_model_fits(cfg: Config, device: torch.device | str, folder: Path, batc
     """Refuse, before allocating, a model (and, with ``batch``, the KV cache and logits of
     that many samples) that needs more than ``device`` has free: the weights and position
     tables are what loading allocates, not an estimate, so there is no override."""
-    from distlm.planner import check_fits, host_available_bytes, inference_bytes
+    from distlm.model.memory import check_fits, host_available_bytes, inference_bytes
     device = torch.device(device)
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from distlm.config import Config, ConfigError, updated
-from distlm.planner import GIB, Estimate, Layout, estimate
+from distlm.model.memory import GIB
+from distlm.planner import Estimate, Layout, estimate
 
 # docs/results/speed.md: with the whole forward compiled, as fast as 4096 and as the whole
 # logits (within 0.4%), with 11-14% less peak memory; the best single-GPU figure used it.

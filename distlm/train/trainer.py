@@ -38,7 +38,8 @@ from distlm.train.runlock import RunLock, claim_run_name
 from distlm.train.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
-from distlm.train.setup import autocast_dtype, build_model, check_memory, compute_context, resolve_device
+from distlm.train.memory_check import check_memory
+from distlm.train.setup import autocast_dtype, build_model, compute_context, resolve_device
 
 
 class Trainer:
