@@ -38,7 +38,8 @@ SAMPLE_TEXT = [
 ]
 
 
-@pytest.fixture(scope="session")
+# "package": tests/ is one folder, so these are made once for the whole run.
+@pytest.fixture(scope="package")
 def text_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("text")
     for i, t in enumerate(SAMPLE_TEXT * 4):
@@ -46,7 +47,7 @@ def text_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_data(tmp_path_factory, text_dir) -> Path:
     """A small prepared data set (GPT-2 tokenizer), shared by the tests that train."""
     from distlm.data.prepare import prepare

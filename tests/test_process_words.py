@@ -17,14 +17,14 @@ WORDS = {
     "a numbered ticket": r"\bissues?\s+#?\d+|\bissue\s*#\d+|\bissues?\s+\d+(?:\s*,\s*\d+)*",
     "a numbered device run": r"\bcalls?\s+\d+\b|\bcall\d+/|\(calls?\s+\d|\bdevice[ _]call",
     "a trial run": r"rehe(?:ars)",
-    "a tool users do not have": r"\bdevice tool",
+    "a tool users do not have": r"\bdevi(?:ce) tool",
     "the system it grew from": r"\bseed (?:system|default|doc(?:ument)?)\b|\bthe seed's\b",
     "a script named after a sitting": r"\bgpu_s\d+|\bgpu_x(?:4|4b)\b|[-/]s\d{1,2}[a-d]?(?:[-/]|\.sh\b)",
 }
 PATTERN = re.compile("|".join(f"(?:{p})" for p in WORDS.values()), re.I)
-# The API spellings that happen to contain the first word: pytest's fixture scope and
-# subprocess's setsid flag. Nothing else may.
-API = re.compile(r"""scope=["']sess(?:ion)["']|start_new_sess(?:ion)""")
+# The one API spelling that happens to contain the first word: subprocess's setsid flag.
+# Nothing else may.
+API = re.compile(r"""start_new_sess(?:ion)""")
 # Vendored data: the GPT-2 vocabulary holds these words as tokens.
 DATA = {"distlm/assets/gpt2/encoder.json", "distlm/assets/gpt2/vocab.bpe"}
 
@@ -63,7 +63,10 @@ def test_the_patterns_catch_what_they_name():
               "raw/2026-11-27-s" + "12/", "device" + "_call.sh", "the seed" + " default"]
     for text in caught:
         assert hits("x", text), text
-    kept = ["@pytest.fixture(scope=\"sess" + "ion\")", "in posse" + "ssion of", "Popen(cmd, start_new_sess" + "ion=True)",
+    caught.append("@pytest.fixture(scope=\"sess" + "ion\")")  # tests/conftest.py uses package scope
+    for text in caught[-1:]:
+        assert hits("x", text), text
+    kept = ["in posse" + "ssion of", "Popen(cmd, start_new_sess" + "ion=True)",
             "recall 3 items", "s32 = svdvals(g)", "a call to the function", "pytorch/pytorch#193027", "seed 0",
             "gpt2-124m"]
     for text in kept:
