@@ -242,7 +242,7 @@ def _write_metrics(run: Path, table: list[dict]) -> None:
 
 def test_one_point_is_drawn_and_labelled_and_nothing_to_plot_is_refused(tmp_path, monkeypatch):
     from distlm.cli import main
-    from distlm.train import plot as plot_module
+    from distlm.report import plot as plot_module
     one, empty = tmp_path / "one", tmp_path / "empty"
     _write_metrics(one, [{"step": 7, "loss": 5.5, "val_loss": 5.7}])
     _write_metrics(empty, [])

@@ -13,12 +13,14 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # Lower layers never import higher ones (function-local imports included: a lazy import
 # that goes upward is still a dependency).
 LAYERS = [
-    ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint"),
+    ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint", "distlm.device"),
     ("distlm.model",),
+    ("distlm.report",),  # plots and samples, for the Trainer, the tasks and the command line
     ("distlm.parallel",),
+    ("distlm.tasks", "distlm.interop"),
     # The planner's memory estimate picks the Trainer's auto micro-batch (train/fast_defaults.py).
-    ("distlm.tasks", "distlm.train", "distlm.interop", "distlm.planner"),
-    ("distlm.bench", "distlm.launch", "distlm.demo"),
+    ("distlm.train", "distlm.planner"),
+    ("distlm.bench", "distlm.launch"),
     ("distlm.cli", "distlm.__main__"),
 ]
 

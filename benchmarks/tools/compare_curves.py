@@ -39,7 +39,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
-        from distlm.train.plot import plot_runs
+        from distlm.report.plot import plot_runs
         plot_runs([args.a, args.b], args.plot)
     return 0
 

@@ -79,5 +79,5 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_title(f"pipeline over {pp} ranks ({rows[0]['device'] if rows else ''})")
     ax.legend()
     fig.tight_layout()
-    from distlm.train.plot import save_figure
+    from distlm.report.plot import save_figure
     save_figure(fig, path, dpi=110)

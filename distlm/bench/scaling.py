@@ -140,7 +140,7 @@ def plot(rows: list[dict], out: Path, mode: str) -> None:
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    from distlm.train.plot import save_figure
+    from distlm.report.plot import save_figure
     save_figure(fig, out)
 
 

@@ -180,7 +180,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "warmup_steps": warmup, "timed_steps": steps,
         "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_gpu": per_gpu,
         # classify: time per epoch and examples/s (its tokens/s counts rows padded to block_size)
-        **trainer.task.bench_fields(trainer, step_s),
+        **trainer.task.bench_fields(step_s),
         "phases_s": phases, "exposed_comm_s": exposed,
         "compute_comm_ratio": (compute / exposed) if exposed else None,
         "flops_per_token": fpt, "achieved_tflops_per_gpu": achieved, "peak_tflops": peak,

@@ -34,12 +34,12 @@ from typing import Callable, Optional
 # import what they need in their bodies; tests/test_cli_light.py checks that torch stays out.
 from distlm import __version__
 from distlm.cli.bench import bench
+from distlm.cli.demo import demo
 from distlm.cli.generate import generate
 from distlm.cli.signature import add_verb, call, takes
 from distlm.cli.verbs import env, evaluate, export, plan, plot, predict, prepare, train
 from distlm.config import SECTIONS, ConfigError, list_presets
 from distlm.data import DataError
-from distlm.demo import demo
 
 VERBS: dict[str, Callable[..., int]] = {
     "prepare": prepare,

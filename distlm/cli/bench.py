@@ -125,7 +125,7 @@ def _refuse_gpu_sized_on_cpu(cfg: Config, allow: bool) -> None:
 def _ceilings(device: str, json_out: Optional[str]) -> int:
     from distlm.bench.ceilings import measure, report
     from distlm.io import atomic_write_text
-    from distlm.train.setup import resolve_device
+    from distlm.device import resolve_device
     r = measure(resolve_device(device))
     print(report(r))
     if json_out:

@@ -60,7 +60,7 @@ def generate(
 
     from distlm.cli.verbs import check_device_flag
     from distlm.model.load import load_run_tokenizer, load_trained
-    from distlm.train.setup import resolve_device
+    from distlm.device import resolve_device
     check_device_flag(device)
     loaded = load_trained(checkpoint, resolve_device(device), task="lm", samples=num_samples,
                           new_tokens=max_new_tokens)

@@ -1,9 +1,9 @@
 """The verbs that each fit in a screen: prepare, train, eval, predict, plot, plan, export, env.
 
-generate and bench, which have modes, live in generate.py and bench.py, demo in
-distlm/demo.py. predict and export are only their command lines here: the work is in
-distlm/tasks/classify/cli.py and distlm/interop/hf.py, whose packages import torch, which
-building the parser must not (`distlm --help` would take seconds).
+generate and bench, which have modes, live in generate.py and bench.py, demo in demo.py,
+and a classifier's eval and predict in classify.py. Every verb imports the library it runs
+in its body: those packages import torch, which building the parser must not (`distlm --help`
+would take seconds).
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def evaluate(
     check_device_flag(device)
     from distlm.model.load import checkpoint_task
     if checkpoint_task(checkpoint) == "classify":
-        from distlm.tasks.classify.cli import evaluate_classifier
+        from distlm.cli.classify import evaluate_classifier
         return evaluate_classifier(checkpoint, data=data, split=split, device=device, as_json=json)
     import torch
     from tqdm import tqdm
@@ -146,7 +146,7 @@ def evaluate(
     from distlm.data.loader import TokenBlocks, val_micro_batches
     from distlm.model.load import load_trained
     from distlm.model.loss import lm_loss
-    from distlm.train.setup import resolve_device
+    from distlm.device import resolve_device
     dev = resolve_device(device)
     loaded = load_trained(checkpoint, dev, task="lm")
     cfg = loaded.cfg
@@ -199,7 +199,7 @@ def predict(
 ) -> int:
     """Label texts with a classifier; writes each text's label and class probabilities."""
     check_device_flag(device)
-    from distlm.tasks.classify.cli import predict_texts
+    from distlm.cli.classify import predict_texts
     return predict_texts(checkpoint, input, text_field=text_field, out=out, batch_size=batch_size, device=device)
 
 
@@ -209,7 +209,7 @@ def plot(
                                   "for several"] = None,
 ) -> int:
     """Draw the loss curves of runs into one PNG (in the run folder unless --out says otherwise)."""
-    from distlm.train.plot import plot_runs
+    from distlm.report.plot import plot_runs
     # Never the working directory: a plot belongs with the run it shows, and a second
     # `distlm plot` elsewhere would silently replace the first one's ./loss.png.
     dest = Path(out) if out else Path(runs[0]) / ("loss.png" if len(runs) == 1 else "compare.png")
@@ -321,5 +321,23 @@ def export(
 
 def env(*, json: Annotated[bool, "print JSON (every rank's report under torchrun)"] = False) -> int:
     """Versions, GPUs, backend and world size; under torchrun also one all-reduce per rank."""
-    from distlm.launch.env import print_env
-    return print_env(as_json=json)
+    from distlm.launch.env import check_collectives, env_report
+    report = env_report()
+    reports = check_collectives(report) if report["world_size"] > 1 else [report]
+    if report["rank"] != 0:
+        return 0 if all(r.get("all_reduce", {"ok": True})["ok"] for r in reports) else 1
+    if json:
+        print(jsonlib.dumps(reports if len(reports) > 1 else report, indent=1))
+    else:
+        r = report
+        print(f"torch {r['torch']} | python {r['python']} | CUDA {r['cuda']} | cuDNN {r['cudnn']} | NCCL {r['nccl']}")
+        print(f"backend {r['backend']} | world size {r['world_size']} | master {r['master']} | "
+              f"available: {', '.join(k for k, v in r['available'].items() if v)}")
+        for q in reports:
+            devs = ", ".join(f"{g['index']}:{g['name']} {g['memory_gb']}GB" for g in q["gpus"]) or "no GPU"
+            ar = q.get("all_reduce")
+            ar_txt = f" | all_reduce {'ok' if ar['ok'] else 'WRONG'} {ar['seconds'] * 1e3:.1f} ms" if ar else ""
+            print(f"rank {q['rank']:>3} local {q['local_rank']} on {q['host']}: {devs}{ar_txt}")
+        for k, v in r["env"].items():
+            print(f"  {k}={v}")
+    return 0 if all(q.get("all_reduce", {"ok": True})["ok"] for q in reports) else 1

@@ -1,11 +1,11 @@
-"""`distlm env`: what a launch on this machine would use, and under torchrun one all-reduce.
+"""What a launch on this machine would use, and under torchrun one all-reduce: the report
+`distlm env` prints (its command line is in distlm/cli/verbs.py).
 
     distlm env [--json]
     torchrun --nproc_per_node 8 -m distlm env          # versions, GPUs, and one all-reduce per rank
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -65,25 +65,3 @@ def check_collectives(report: dict, timeout_s: float = 60) -> list[dict]:
     finally:
         dist.destroy_process_group()
 
-
-def print_env(as_json: bool = False) -> int:
-    """`distlm env`: one process prints its report; under torchrun rank 0 prints all ranks'."""
-    report = env_report()
-    reports = check_collectives(report) if report["world_size"] > 1 else [report]
-    if report["rank"] != 0:
-        return 0 if all(r.get("all_reduce", {"ok": True})["ok"] for r in reports) else 1
-    if as_json:
-        print(json.dumps(reports if len(reports) > 1 else report, indent=1))
-    else:
-        r = report
-        print(f"torch {r['torch']} | python {r['python']} | CUDA {r['cuda']} | cuDNN {r['cudnn']} | NCCL {r['nccl']}")
-        print(f"backend {r['backend']} | world size {r['world_size']} | master {r['master']} | "
-              f"available: {', '.join(k for k, v in r['available'].items() if v)}")
-        for q in reports:
-            devs = ", ".join(f"{g['index']}:{g['name']} {g['memory_gb']}GB" for g in q["gpus"]) or "no GPU"
-            ar = q.get("all_reduce")
-            ar_txt = f" | all_reduce {'ok' if ar['ok'] else 'WRONG'} {ar['seconds'] * 1e3:.1f} ms" if ar else ""
-            print(f"rank {q['rank']:>3} local {q['local_rank']} on {q['host']}: {devs}{ar_txt}")
-        for k, v in r["env"].items():
-            print(f"  {k}={v}")
-    return 0 if all(q.get("all_reduce", {"ok": True})["ok"] for q in reports) else 1

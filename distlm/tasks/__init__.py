@@ -1,8 +1,8 @@
 """What is trained on the trunk: next-token prediction (lm.py) or text classification
 (classify/). Each is a ``Task`` (base.py) that the one Trainer asks for its data, model,
-loss and evaluation."""
+loss and evaluation, showing it the run through a ``RunContext``."""
 from distlm.config import Config
-from distlm.tasks.base import Resolved, Task
+from distlm.tasks.base import Resolved, RunContext, Task
 
 
 def build_task(cfg: Config) -> Task:
@@ -14,4 +14,4 @@ def build_task(cfg: Config) -> Task:
     return LMTask()
 
 
-__all__ = ["Resolved", "Task", "build_task"]
+__all__ = ["Resolved", "RunContext", "Task", "build_task"]

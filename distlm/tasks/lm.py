@@ -14,7 +14,8 @@ from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
 from distlm.io import atomic_write_dir
 from distlm.model.gpt import GPT
 from distlm.model.loss import lm_loss
-from distlm.tasks.base import Resolved
+from distlm.report.samples import sample_texts
+from distlm.tasks.base import Resolved, RunContext
 
 SYNTHETIC_VOCAB = 50257  # GPT-2's, so a synthetic benchmark costs what real GPT-2 data would
 
@@ -131,22 +132,22 @@ class LMTask:
         # is then scored in one smaller batch, another shape to the compiler.
         return all(len(blocks) >= cfg.train.micro_batch_size for blocks in self.val_split.values())
 
-    def evaluate(self, trainer) -> float:
+    def evaluate(self, ctx: RunContext) -> float:
         """The mean loss over a fixed validation set spread across the whole val split (the
         same blocks whatever the world size or step; train.eval_batches micro-batches over all
         ranks, 0 = the whole split); per source and weighted overall for a mixture."""
         if not self.val_split:
             return float("nan")
         if self.val_sets is None:
-            t, dims = trainer.cfg.train, trainer.dims
+            t, dims = ctx.cfg.train, ctx.dims
             self.val_sets = {name: val_micro_batches(blocks, t.eval_batches, t.micro_batch_size, dims.dp_rank,
                                                      dims.dp_size, name=name)
                              for name, blocks in self.val_split.items()}
         losses = {}
         for name, vs in self.val_sets.items():
-            total, rows = trainer.stepper.eval_losses(vs.weighted(), trainer.compute)
+            total, rows = ctx.eval_losses(vs.weighted())
             # Sums over counts, not a mean of per-rank means: exact for any world size.
-            both = trainer.comm.mean(torch.stack([total, rows]))
+            both = ctx.mean(torch.stack([total, rows]))
             losses[name] = float(both[0] / both[1])
         self.source_losses = {name: v for name, v in losses.items() if name}
         return losses[""] if "" in losses else self.overall(losses)
@@ -158,20 +159,18 @@ class LMTask:
         return "; ".join(vs.describe() for vs in (self.val_sets or {}).values())
 
     # ---- samples --------------------------------------------------------------------
-    def samples(self, trainer) -> list[str]:
-        """log.samples continuations of log.sample_prompt (main rank; distlm/train/samples.py)."""
-        from distlm.train import samples as smp
-        n = trainer.cfg.log.samples
+    def samples(self, ctx: RunContext) -> list[str]:
+        """log.samples continuations of log.sample_prompt (main rank; distlm/report/samples.py)."""
+        n = ctx.cfg.log.samples
         if not n or self.tokenizer is None:
             return []
-        why = smp.why_not(trainer.gpt, trainer.dims)
-        if why is not None:
+        if ctx.whole_model is None:
             if not self._no_samples_noted:
                 self._no_samples_noted = True
-                print(f"note: log.samples={n}: no samples during training: {why}; sample a checkpoint with "
-                      f"`distlm generate --checkpoint {trainer.run_dir}` (or set log.samples=0)", flush=True)
+                print(f"note: log.samples={n}: no samples during training: {ctx.no_whole_model}; sample a checkpoint "
+                      f"with `distlm generate --checkpoint {ctx.run_dir}` (or set log.samples=0)", flush=True)
             return []
-        return smp.sample_texts(trainer.gpt, self.tokenizer, trainer.cfg.log.sample_prompt, n)
+        return sample_texts(ctx.whole_model, self.tokenizer, ctx.cfg.log.sample_prompt, n)
 
     # ---- run folder -----------------------------------------------------------------
     def write_run_files(self, run_dir: Path) -> None:
@@ -184,5 +183,5 @@ class LMTask:
 
         atomic_write_dir(run_dir / "tokenizer", fill)
 
-    def bench_fields(self, trainer, step_s: float) -> dict:
+    def bench_fields(self, step_s: float) -> dict:
         return {}

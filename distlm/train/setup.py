@@ -1,4 +1,4 @@
-"""Building what the Trainer trains: the device, the compute context, the model.
+"""Building what the Trainer trains: the compute context, the model (the device: distlm/device.py).
 
 Kept apart from the loop so eval, bench and export can build the same pieces.
 """
@@ -9,16 +9,8 @@ from typing import Optional
 
 import torch
 
-from distlm.config import Config, ConfigError
+from distlm.config import Config
 from distlm.parallel import ParallelDims, parallelize
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but CUDA is not available on this machine (use train.device=auto or cpu)")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank)
 
 
 def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:

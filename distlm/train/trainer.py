@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from distlm.config import Config, ConfigError, to_yaml
+from distlm.device import resolve_device
 from distlm.io import atomic_write_text
 from distlm.model.gpt import flops_per_token
 from distlm.parallel.engine import make_engine, seed_for_rank
@@ -34,12 +35,13 @@ from distlm.train.matmul_dtype import MatmulDtypeProbe
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_ns_dtype
 from distlm.train.resume_check import check_before_resume, check_resume_config
+from distlm.train.run_context import run_context
 from distlm.train.runlock import RunLock, claim_run_name
-from distlm.train.samples import console_block, describe as describe_samples
+from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import autocast_dtype, build_model, compute_context, resolve_device
+from distlm.train.setup import autocast_dtype, build_model, compute_context
 
 
 class Trainer:
@@ -240,7 +242,7 @@ class Trainer:
     def evaluate(self) -> float:
         # Which graphs, grad mode and train/eval mode: distlm/train/evaluation.py
         with self.evaluation(self.model):
-            return self.task.evaluate(self)
+            return self.task.evaluate(run_context(self))
 
     # ---- checkpoints --------------------------------------------------------------
     def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
@@ -373,7 +375,7 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         if main:
-            from distlm.train.plot import NothingToPlot, plot_runs
+            from distlm.report.plot import NothingToPlot, plot_runs
             try:
                 plot_runs([self.run_dir], self.run_dir / "loss.png")
             except NothingToPlot:
@@ -468,7 +470,7 @@ class Trainer:
         if not self.dims.is_main:
             return
         try:
-            texts = self.task.samples(self)
+            texts = self.task.samples(run_context(self))
         finally:
             self.model.train()  # generation puts the model in eval mode
         if texts:

@@ -8,5 +8,6 @@
 
 data.py (rows in, padded token arrays + label map out), distlm/model/classifier.py (Classifier, pooling),
 loader.py (global batches, trimmed to their longest row), metrics.py (accuracy,
-macro-F1, confusion matrix), task.py (the Trainer hook), cli.py (prepare/eval/predict).
+macro-F1, confusion matrix), task.py (the Trainer hook), predict.py (a trained classifier's
+probabilities); the eval and predict verbs are in distlm/cli/classify.py.
 """

@@ -51,5 +51,5 @@ def plot_confusion(confusion: np.ndarray, labels: list[str], out: Path, title: s
     ax.set(xlabel="predicted", ylabel="true", title=title)
     fig.colorbar(im, ax=ax, fraction=0.046, label="share of the true class")
     fig.tight_layout()
-    from distlm.train.plot import save_figure
+    from distlm.report.plot import save_figure
     return save_figure(fig, out)

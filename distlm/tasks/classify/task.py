@@ -24,7 +24,7 @@ from distlm.tasks.classify import data as cdata
 from distlm.tasks.classify.loader import ClassifyLoader, eval_batches
 from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
 from distlm.model.classifier import Classifier, classify_loss
-from distlm.tasks.base import Resolved
+from distlm.tasks.base import Resolved, RunContext
 from distlm.checkpoint import store as ckpt
 
 METRIC_COLUMNS = ["step", "val_loss", "accuracy", "macro_f1", "examples"]
@@ -49,6 +49,7 @@ class ClassifyTask:
 
     def __init__(self):
         self.last: dict | None = None  # the latest evaluation
+        self.loader: ClassifyLoader | None = None  # the training batches, for bench_fields
 
     # ---- configuration --------------------------------------------------------------
     def resolve(self, cfg: Config, comm, is_main: bool) -> Resolved:
@@ -96,9 +97,10 @@ class ClassifyTask:
 
     def build_loader(self, cfg: Config, dims, device: torch.device) -> ClassifyLoader:
         t = cfg.train
-        return ClassifyLoader(self.train_data, seed=t.seed, global_batch=t.global_batch_size,
-                              micro_batch=t.micro_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
-                              pin_memory=device.type == "cuda")
+        self.loader = ClassifyLoader(self.train_data, seed=t.seed, global_batch=t.global_batch_size,
+                                     micro_batch=t.micro_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
+                                     pin_memory=device.type == "cuda")
+        return self.loader
 
     def loss_fn(self, cfg: Config, dims):
         return lambda model, x, y: classify_loss(model(x), y)
@@ -112,8 +114,8 @@ class ClassifyTask:
             {"labels": self.labels, "label_field": m["label_field"], "pad_id": m["pad_id"], "max_len": m["max_len"],
              "tokenizer": m["tokenizer"]}, indent=1))
 
-    def bench_fields(self, trainer, step_s: float) -> dict:
-        loader = trainer.loader
+    def bench_fields(self, step_s: float) -> dict:
+        loader = self.loader
         return {"task": "classify", "train_examples": loader.n, "steps_per_epoch": loader.steps_per_epoch,
                 "epoch_s": step_s * loader.steps_per_epoch, "examples_per_s": loader.global_batch / step_s}
 
@@ -123,7 +125,7 @@ class ClassifyTask:
     def describe_eval(self) -> str:
         return f"{self.last['examples']:,} val examples" if self.last else "no val examples"
 
-    def samples(self, trainer) -> list[str]:
+    def samples(self, ctx: RunContext) -> list[str]:
         return []  # a classifier has no text to show (its evaluation prints the confusion matrix)
 
     # ---- evaluation ---------------------------------------------------------------
@@ -131,32 +133,32 @@ class ClassifyTask:
         return False  # accuracy and confusion too, on micro-batches 4x the training ones
 
     @torch.no_grad()
-    def evaluate(self, trainer) -> float:
+    def evaluate(self, ctx: RunContext) -> float:
         """Loss, accuracy, macro-F1 and confusion over the whole val split (collective)."""
         if self.val_data is None:
             return float("nan")
-        C, device, dims = len(self.labels), trainer.device, trainer.dims
+        C, device, dims = len(self.labels), ctx.device, ctx.dims
         conf = torch.zeros(C * C, dtype=torch.float64, device=device)
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        trainer.model.eval()
-        for batch, y, w in eval_batches(self.val_data, 4 * trainer.cfg.train.micro_batch_size, dims.dp_rank,
+        ctx.model.eval()
+        for batch, y, w in eval_batches(self.val_data, 4 * ctx.cfg.train.micro_batch_size, dims.dp_rank,
                                         dims.dp_size):
             batch, y, w = batch.to(device), y.to(device), w.to(device)
-            with trainer.compute():
-                logits = trainer.model(batch)
+            with ctx.compute():
+                logits = ctx.model(batch)
             loss_sum += (F.cross_entropy(logits.float(), y, reduction="none") * w).sum().double()
             conf.index_add_(0, y * C + logits.argmax(-1), w.double())
-        trainer.model.train()
+        ctx.model.train()
         totals = torch.cat([loss_sum, conf])
         if dims.dp_size > 1:
             dist.all_reduce(totals, group=dims.dp_mesh.get_group())
         confusion = totals[1:].round().long().view(C, C).cpu().numpy()
         result = scores(confusion)
         loss = float(totals[0]) / max(1, result["examples"])
-        self.last = {"step": trainer.step, "val_loss": loss, **result, "labels": self.labels,
+        self.last = {"step": ctx.step, "val_loss": loss, **result, "labels": self.labels,
                      "confusion": confusion.tolist()}
         if dims.is_main:
-            self._report(trainer.run_dir, confusion)
+            self._report(ctx.run_dir, confusion)
         return loss
 
     def _report(self, run_dir: Path, confusion: np.ndarray) -> None:

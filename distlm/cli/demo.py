@@ -39,7 +39,7 @@ def demo(
     from distlm.data.sources import DEFAULT_CORPUS
     from distlm.data.tokenizer import load_tokenizer
     from distlm.model.generate import SamplingConfig, generate_text
-    from distlm.train.samples import append_samples
+    from distlm.report.samples import append_samples
     from distlm.train.trainer import Trainer
 
     cuda = torch.cuda.is_available()

@@ -1,10 +1,12 @@
-"""The classification side of the command line.
+"""The classifier's verbs: `distlm eval` of a classifier checkpoint and `distlm predict`.
 
+    distlm eval --checkpoint RUN_OR_CKPT [--data DIR] [--split val|train] [--json]
     distlm predict --checkpoint RUN_OR_CKPT --input FILE [--text-field F] [--out F.csv|F.jsonl]
 
-``distlm predict`` (its command line is in distlm/cli/verbs.py) lands in ``predict_texts``,
-``distlm eval`` of a classifier in ``evaluate_classifier``, and ``distlm prepare --task classify`` in
-``distlm.tasks.classify.data.prepare_classify``.
+Their flags are parsed in distlm/cli/verbs.py (``evaluate``, ``predict``), which lands here:
+this module reads the files, prints and returns the exit status; the model's work is in
+distlm/tasks/classify/ (predict.py, metrics.py, data.py). ``distlm prepare --task classify``
+calls ``distlm.tasks.classify.data.prepare_classify`` directly.
 """
 from __future__ import annotations
 
@@ -15,40 +17,19 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 
 from distlm.config import ConfigError
 from distlm.data import DataError
 
 
-@torch.no_grad()
-def predict_probs(model, tokens: np.ndarray, lengths: np.ndarray, device, batch_size: int = 64) -> np.ndarray:
-    """Probabilities (N, C), batch by batch, each batch trimmed to its longest row."""
-    from tqdm import tqdm
-
-    from distlm.tasks.classify.loader import make_batch
-    out = []
-    # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
-    for s in tqdm(range(0, len(lengths), batch_size), unit="batch", leave=False, disable=None):
-        batch = make_batch(tokens[s:s + batch_size], lengths[s:s + batch_size]).to(device)
-        out.append(torch.softmax(model(batch).float(), -1).cpu().numpy())
-    return np.concatenate(out)
-
-
-def run_folder(checkpoint_folder: Path) -> Path:
-    """RUN for RUN/checkpoints/step_N; for a checkpoint folder elsewhere, the folder holding
-    it (files written into a checkpoint would fail its file list)."""
-    return checkpoint_folder.parent.parent if checkpoint_folder.parent.name == "checkpoints" \
-        else checkpoint_folder.parent
-
-
 def evaluate_classifier(checkpoint: str, *, data: Optional[str], split: str, device: str, as_json: bool) -> int:
     """Accuracy, macro-F1 and the confusion matrix (text and PNG) of a classifier checkpoint."""
+    from distlm.device import resolve_device
     from distlm.io import atomic_write_text
     from distlm.model.load import load_trained
     from distlm.tasks.classify.data import load_manifest, load_split
     from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
-    from distlm.train.setup import resolve_device
+    from distlm.tasks.classify.predict import predict_probs, run_folder
     dev = resolve_device(device)
     loaded = load_trained(checkpoint, dev, task="classify")
     folder, labels = loaded.folder, loaded.labels["labels"]
@@ -80,13 +61,14 @@ def evaluate_classifier(checkpoint: str, *, data: Optional[str], split: str, dev
 
 def predict_texts(checkpoint: str, input: str, *, text_field: str, out: Optional[str], batch_size: int,
                   device: str) -> int:
-    """`distlm predict` (its command line is in distlm/cli/verbs.py): each text's label and
-    class probabilities, written to ``out`` or else into the run folder."""
+    """`distlm predict`: each text's label and class probabilities, written to ``out`` or
+    else into the run folder."""
     from distlm.data.tokenizer import load_tokenizer
+    from distlm.device import resolve_device
     from distlm.io import atomic_write_text
     from distlm.model.load import load_trained
     from distlm.tasks.classify.data import Row, encode_rows, read_texts
-    from distlm.train.setup import resolve_device
+    from distlm.tasks.classify.predict import predict_probs, run_folder
     src = Path(input)
     if out and Path(out).suffix not in (".csv", ".jsonl"):
         raise ConfigError(f"--out {out}: the suffix must be .csv or .jsonl")

@@ -1,0 +1,15 @@
+"""The Trainer's view of the run for its task (distlm/tasks/base.py, RunContext): built
+afresh for each evaluation and each round of samples, so the step it names is current."""
+from __future__ import annotations
+
+from distlm.tasks import RunContext
+from distlm.train.samples import why_not
+
+
+def run_context(trainer) -> RunContext:
+    why = why_not(trainer.gpt, trainer.dims)
+    return RunContext(cfg=trainer.cfg, dims=trainer.dims, device=trainer.device, run_dir=trainer.run_dir,
+                      step=trainer.step, model=trainer.model, compute=trainer.compute,
+                      eval_losses=lambda batches: trainer.stepper.eval_losses(batches, trainer.compute),
+                      mean=trainer.comm.mean, whole_model=trainer.gpt if why is None else None,
+                      no_whole_model=why)
