@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from distlm.config import ConfigError, load_config
+from distlm.train.run_context import run_context
 from distlm.train.trainer import Trainer
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
@@ -109,7 +110,7 @@ def test_evaluation_of_a_compiled_model(monkeypatch, tmp_path, tiny_data, eval_c
     assert counter.frame_count == after_eval  # training's graphs are still the ones that run
     t.model.eval()
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        eager = t.task.evaluate(t)
+        eager = t.task.evaluate(run_context(t))
     t.model.train()
     assert t.evaluate() == pytest.approx(eager, rel=1e-6)
     torch._dynamo.reset()
