@@ -22,6 +22,9 @@ from distlm.model.gpt import GPT
 # result's norm. Measured on the CPU with these shapes: forward 0.037, gradients 0.058-0.060.
 FORWARD_TOL = 0.05   # e4m3 x e4m3, relative to the fp32 product's norm
 BACKWARD_TOL = 0.08  # e5m2 x e4m3
+# The GPU training test's largest gap between a float8 and the bf16 loss curve, at any logged step
+# of 60 (the curve falls from 10.9 to about 0.25, so a step's loss moves by up to 1 nat).
+LOSS_TOL = 0.15
 RECIPES = [Float8Recipe, RowwiseRecipe]
 
 
@@ -277,23 +280,31 @@ def test_cuda_scaled_mm_forward_and_backward(cls):
 @pytest.mark.gpu
 @pytest.mark.skipif(not float8_gpu(), reason="needs a CUDA GPU of capability 8.9+")
 def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
-    """60 compiled steps on real text: the float8 runs' final losses within 0.1 of bf16's (a
-    128-wide model, where each matmul's rounding weighs more than at 1.5B), and
-    resuming the float8 run's checkpoint in bf16 continues from the same weights."""
+    """60 steps on real text (the tiny preset memorises the small corpus: its loss goes from 10.9
+    to about 0.25), bf16 and tensorwise compiled as a whole model, rowwise eager: the float8 runs'
+    losses within LOSS_TOL of bf16's at every logged step. Then the tensorwise run's checkpoint
+    resumes in bf16 for 10 more steps."""
     from distlm.train.trainer import Trainer
-    base = ["train.max_steps=60", "train.compile=true", "train.eval_every=0", "train.eval_batches=2",
-            "train.checkpoint_every=60", "log.progress=false", "log.tensorboard=false", "log.samples=0",
-            f"log.root={tmp_path}", f"data.dir={tiny_data}", "log.every=10", "model.block_size=64"]
-    losses = {}
-    for mode in ("off", "tensorwise", "rowwise"):
-        t = Trainer(load_config("tiny", base + [f"train.fp8={mode}", f"log.name={mode}"]))
-        losses[mode] = t.train()["train_loss"]
-        swapped = sum(isinstance(m, Float8Linear) for m in t.gpt.modules())
-        assert swapped == (0 if mode == "off" else 4 * 6)
-    assert losses["off"] < 6.0, losses  # it learned: far below log(50257) = 10.8
+    base = ["train.max_steps=60", "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=60",
+            "log.progress=false", "log.tensorboard=false", "log.samples=0", f"log.root={tmp_path}",
+            f"data.dir={tiny_data}", "log.every=3", "model.block_size=64"]
+    curves = {}
+    for mode, compiled in (("off", True), ("tensorwise", True), ("rowwise", False)):
+        t = Trainer(load_config("tiny", base + [f"train.fp8={mode}", f"log.name={mode}",
+                                                f"train.compile={str(compiled).lower()}"]))
+        assert t.train()["step"] == 60
+        assert sum(isinstance(m, Float8Linear) for m in t.gpt.modules()) == (0 if mode == "off" else 4 * 6)
+        curves[mode] = logged_losses(tmp_path / mode)
+    assert curves["off"][-1] < 1.0, curves["off"]  # it learned
     for mode in ("tensorwise", "rowwise"):
-        assert abs(losses[mode] - losses["off"]) < 0.1, losses
-    # the float8 run's checkpoint, resumed without float8 for 10 more steps
+        gaps = [abs(a - b) for a, b in zip(curves[mode], curves["off"])]
+        assert len(gaps) == len(curves["off"]) and max(gaps) < LOSS_TOL, (mode, curves)
     t = Trainer(load_config("tiny", base + ["train.fp8=off", "log.name=tensorwise", "train.resume=auto",
-                                            "train.max_steps=70"]))
+                                            "train.compile=false", "train.max_steps=70"]))
     assert t.step == 60 and t.train()["step"] == 70
+
+
+def logged_losses(run) -> list[float]:
+    import csv
+    with open(run / "metrics.csv", newline="") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")]
