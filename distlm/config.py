@@ -175,6 +175,10 @@ class TrainConfig:
                                    "stages; 0 = off (distlm/train/seq_schedule.py)")
     seq_warmup_start: int = doc(128, "sequence-length warm-up: the first stage's row length, a power of two "
                                      "below model.block_size")
+    fp8: str = choice("off", "off", "tensorwise", "rowwise",
+                      help="the blocks' linear layers multiply in float8 (e4m3 forward, e5m2 gradients, dynamic "
+                           "scales: one per tensor, or one per row and column); head, embeddings and norms stay "
+                           "as they are, parameters and checkpoints too. CUDA capability 8.9+ (distlm/model/float8.py)")
     memory_check: bool = doc(True, "refuse to start, before the run folder is made or anything allocated, when "
                                    "the planner's memory estimate of this run is more than the device has free "
                                    "(host RAM on CPU, the GPU's free memory on CUDA); false = start anyway, for "
@@ -504,6 +508,7 @@ def validate_settings(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     _validate_seq_warmup(cfg)
     _validate_task(cfg)
+    _validate_fp8(cfg)
 
 
 def _batch_hint(t: "TrainConfig", dp: int) -> str:
@@ -647,6 +652,21 @@ def _validate_seq_warmup(cfg: Config) -> None:
                           f"{variants} kinds of block inputs (value embeddings, U-net skips), the warm-up's shapes "
                           f"would pass torch.compile's recompile limit of {DYNAMO_RECOMPILE_LIMIT}; use "
                           f"train.compile_scope=model or train.seq_warmup_steps=0")
+
+
+def _validate_fp8(cfg: Config) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if t.fp8 == "off":
+        return
+    if p.tp > 1:
+        raise ConfigError(f"train.fp8={t.fp8} does not support parallel.tp={p.tp}: tensor parallelism shards the "
+                          f"linear layers as DTensors, which the float8 matmul does not take; use FSDP2 "
+                          f"(parallel.dp_shard) or DDP")
+    # torch._scaled_mm: the contraction dim and the weight's two dims must be multiples of 16.
+    for key, v in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)):
+        if v % 16:
+            raise ConfigError(f"train.fp8={t.fp8} needs {key} to be a multiple of 16 (float8 matmuls work on "
+                              f"16-wide tiles), got {v}")
 
 
 def _validate_task(cfg: Config) -> None:

@@ -144,6 +144,8 @@ SUITE_OPTIONS = {  # every suite, and the options that add steps
                                   "aten_distributed_optimizations.enable_overlap_scheduling=true"]],
     "prepare": [["--workers", "1,2", "--size-mb", "64"]],
     "multi-node": [["--gpus", "4"], ["--gpus", "2", "--emulate", "disable", "--compile"]],
+    "float8": [["--gpus", "4"], ["--gpus", "4", "--items", "loss", "--models", "llama-7b", "--loss-recipes",
+                                 "tensorwise,rowwise", "--loss-steps", "200", "--memory-cap-gib", "79"]],
 }
 
 
@@ -278,3 +280,37 @@ def test_clock_sampling_without_nvidia_smi_says_so_and_runs_the_suite(tmp_path, 
     assert "--sample-clocks: nvidia-smi not found" in out
     (record,) = [json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
     assert record["rc"] == 0 and record["commit"] is None and record["sources"] == bench_run.sources_fingerprint()
+
+
+def test_float8_suite_plans_bf16_beside_each_recipe_and_reports_them(tmp_path, capsys):
+    """Every float8 step has its bf16 twin with the same settings but train.fp8, FSDP2 over the
+    GPUs; the CPU form runs the speed item end to end (float8 steps as bf16: the CPU refuses
+    float8) and prints the table."""
+    lines = dry_run(capsys, "float8", ["--gpus", "4", "--items", "speed,loss", "--models", "gpt2-1.5b",
+                                       "--loss-steps", "50"])
+    cmds = {}
+    for words in lines:
+        cmd = distlm_commands(words)
+        if cmd:
+            fp8 = [o for o in cmd[3] if o.startswith("train.fp8=")]
+            # all else the same, but where each run writes
+            same = sorted(o for o in cmd[3] if o not in fp8 and not o.startswith(("log.root=", "log.name=")))
+            cmds.setdefault((cmd[0], cmd[2]), {})[fp8[0]] = same
+            assert cmd[1] == 4 and "parallel.dp_shard=4" in cmd[3]
+    speed, loss = cmds[("bench", "gpt2-1.5b")], cmds[("train", "gpt2-1.5b")]
+    assert set(speed) == {"train.fp8=off", "train.fp8=tensorwise", "train.fp8=rowwise"}
+    assert set(loss) == {"train.fp8=off", "train.fp8=tensorwise"} and "train.max_steps=50" in loss["train.fp8=off"]
+    for runs in (speed, loss):
+        assert all(v == runs["train.fp8=off"] for v in runs.values())
+    assert bench_run.main(["float8", "--dry-run", "--items", "nonesuch"]) == 2
+    assert "--items 'nonesuch'" in capsys.readouterr().err
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "float8", "--cpu", "--out", str(out), "--items",
+                           "speed", "--models", "gpt2-1.5b", "--recipes", "tensorwise", "--warmup", "1",
+                           "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == ["speed-gpt2-1.5b-off", "speed-gpt2-1.5b-tensorwise", "report"]
+    table = {(r["model"], r["recipe"]): r for r in records[-1]["result"]}
+    assert table[("gpt2-1.5b", "off")]["ok"] and table[("gpt2-1.5b", "tensorwise")]["tokens_per_s"] > 0
+    assert "| gpt2-1.5b | tensorwise |" in proc.stdout

@@ -56,6 +56,7 @@ ABLATIONS = {
                    "parallel.grad_reduce_dtype=bf16",
     "b64s350": "train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=350 train.eval_every=175",
     "b64s450": "train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=450 train.eval_every=150",
+    "fp8": "train.fp8=tensorwise", "fp8row": "train.fp8=rowwise",  # the blocks' matmuls in float8
     "s500": "train.max_steps=500", "s540": "train.max_steps=540", "s600": "train.max_steps=600",
 }
 

@@ -140,7 +140,9 @@ class Attention(nn.Module):
             return self.wq(x), self.wk(x), self.wv(x)
         w = torch.cat((self.wq.weight, self.wk.weight, self.wv.weight))
         b = torch.cat((self.wq.bias, self.wk.bias, self.wv.bias)) if self.wq.bias is not None else None
-        return F.linear(x, w, b).chunk(3, dim=-1)
+        # A float8 layer (train.fp8) multiplies the concatenated weights in float8 too.
+        linear = getattr(self.wq, "linear", F.linear)
+        return linear(x, w, b).chunk(3, dim=-1)
 
     def project(self, x, rope=None, ve=None):
         """q, k, v as (B, H, T, hd): projected, values mixed with the value embedding ``ve``

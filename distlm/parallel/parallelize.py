@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from distlm.config import Config
+from distlm.model.float8 import apply_float8
 from distlm.parallel.dims import ParallelDims
 from distlm.parallel.step import PipelineStep, PlainStep
 
@@ -60,6 +61,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     allocates only its shards, and before DDP, whose constructor needs real tensors.
     """
     pcfg = cfg.parallel
+    apply_float8(model, cfg.train.fp8)  # the blocks' linear layers, before any wrapper
     parts = None
     if dims.pp > 1:
         from distlm.parallel.pp import build_pipeline

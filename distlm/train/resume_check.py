@@ -62,6 +62,8 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         "eval_every", "eval_batches", "eval_compile", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
         "device", "dtype", "compile", "compile_scope", "compile_mode", "memory_check",
+        # Float8 matmuls on the same parameters, kept in their dtype: a float8 run goes on in bf16 and back.
+        "fp8",
         # Fault handling.
         "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s", "stop_check_every"),
     # Checkpoints are keyed by parameter names, whatever the layout (tested across layouts).

@@ -22,6 +22,7 @@ import torch
 from distlm.config import Config, ConfigError, to_yaml
 from distlm.device import resolve_device
 from distlm.io import atomic_write_text
+from distlm.model.float8 import check_float8_on
 from distlm.model.gpt import flops_per_token
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
@@ -51,6 +52,7 @@ class Trainer:
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", 0)))
         clock = SetupClock()
         self.device = resolve_device(cfg.train.device, local_rank)
+        check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
         self.dims = dims or self.engine.init(cfg.parallel, self.device.type)
         self.comm = self.engine.comm(self.dims)
