@@ -3,7 +3,7 @@
     python benchmarks/run.py SUITE [--gpus N] [--out DIR] [--dry-run] [--cpu] [suite options]
     python benchmarks/run.py --list
 
-SUITE is one of throughput, scaling, time-to-loss, layouts, prepare, multi-node
+SUITE is one of throughput, scaling, time-to-loss, layouts, prepare, multi-node, memory
 (`python benchmarks/run.py SUITE --help` gives each one's options). Every step a suite plans is
 run in turn, from the repository root, with this checkout's distlm first on PYTHONPATH. Each
 step gets a folder OUT/SUITE/<UTC time>-<step>/ holding command.txt, log.txt and whatever the
@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 SUITES = {"throughput": "suites.throughput", "scaling": "suites.scaling", "time-to-loss": "suites.time_to_loss",
-          "layouts": "suites.layouts", "prepare": "suites.prepare", "multi-node": "suites.multi_node"}
+          "layouts": "suites.layouts", "prepare": "suites.prepare", "multi-node": "suites.multi_node",
+          "memory": "suites.memory"}
 
 # PYTHONSAFEPATH: `python -m` would otherwise put the current folder ahead of PYTHONPATH, and a
 # step that measures another checkout (--before DIR) would import this one's distlm.

@@ -16,6 +16,8 @@ LAYERS = [
     ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint"),
     ("distlm.model",),
     ("distlm.parallel",),
+    # The optimizers: built by the Trainer, their declared state counted by the planner.
+    ("distlm.optim",),
     # The planner's memory estimate picks the Trainer's auto micro-batch (train/fast_defaults.py).
     ("distlm.tasks", "distlm.train", "distlm.interop", "distlm.planner"),
     ("distlm.bench", "distlm.launch", "distlm.demo"),
