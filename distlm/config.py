@@ -175,10 +175,11 @@ class OptimConfig:
     (train.lr, min_lr, warm-up, decay) drives every optimizer; AdamW's own settings
     (train.beta1, beta2, eps, weight_decay) stay with it in ``train``, as every optimizer here
     keeps AdamW for some parameters."""
-    name: str = choice("adamw", "adamw", "muon",
+    name: str = choice("adamw", "adamw", "muon", "lion",
                        help="adamw: AdamW for every parameter; muon: Muon (orthogonalised momentum) for the "
                             "blocks' weight matrices, AdamW for embeddings, head, norms and biases "
-                            "(distlm/optim/muon.py)")
+                            "(distlm/optim/muon.py); lion: the sign of an interpolated momentum for every "
+                            "parameter, one state tensor each (distlm/optim/lion.py)")
     muon_lr: float = doc(0.02, "Muon's peak learning rate; the train.lr schedule scales it by muon_lr/lr")
     embed_lr: float = doc(0.0, "optim.name=muon: AdamW's peak rate for the embedding tables (token and "
                                "value embeddings), on train.lr's schedule; 0 = train.lr. Needs an untied head")
@@ -189,6 +190,10 @@ class OptimConfig:
                                      "whichever a timed matmul finds faster (fp32 where bf16 has no fast path, "
                                      "e.g. AVX2-only CPUs)")
     muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
+    lion_beta1: float = doc(0.9, "Lion: the update is sign(beta1 m + (1 - beta1) g)")
+    lion_beta2: float = doc(0.99, "Lion: the momentum m <- beta2 m + (1 - beta2) g")
+    lion_weight_decay: float = doc(1.0, "Lion: decoupled weight decay on the matrices that are not embeddings "
+                                        "(Lion wants train.lr 3-10x below AdamW's and this 3-10x above)")
 
 
 # Keys that moved to another section, old spelling -> new. Configs, presets and command lines
@@ -587,6 +592,7 @@ _RANGES = {
     "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "optim.muon_lr": _above(0),
     "optim.embed_lr": _at_least(0), "optim.muon_momentum": _in_unit(False), "optim.muon_ns_steps": _at_least(1),
     "optim.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
+    "optim.lion_beta1": _in_unit(True), "optim.lion_beta2": _in_unit(False), "optim.lion_weight_decay": _at_least(0),
 }
 
 
