@@ -223,7 +223,10 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     bs, br = block_params(m)
     emb, head, extra = end_params(m)
     L = layer_split(m, lay.pp)
-    ends = emb + head + extra if lay.pp == 1 else max(emb + extra, head or emb)
+    # model.value_embeds: more token tables beside the embedding (refused under PP), held and
+    # updated like it (by AdamW, whatever the optimizer of the matrices)
+    tables = m.value_embeds * m.padded_vocab_size * d
+    ends = emb + head + extra + tables if lay.pp == 1 else max(emb + extra, head or emb)
     n_local = (L * bs + ends) / t + L * br
     p_bytes = 4 * n_local / shard
     # The optimizer's state as it declares it per parameter: the blocks' matrices (all split by
