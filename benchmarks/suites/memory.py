@@ -1,6 +1,6 @@
 """The planner's memory estimate against the measured peak, for each optimizer, on one GPU.
 
-    python benchmarks/run.py memory [--config gpt2-124m-1024] [--optimizers adamw,muon,...] [--micro 8]
+    python benchmarks/run.py memory [--config gpt2-124m-1024] [--optimizers adamw,muon,...] [--micro 2,8]
 
 One `distlm bench` per optimizer of the registry (optim.name, distlm/optim/), synthetic tokens,
 one process: its JSON holds the peak memory the step allocated (peak_mem_gb, after the warm-up,
@@ -8,7 +8,10 @@ so the optimizer's state exists) and the planner's estimate for the same run (pl
 with the state that optimizer declares, and its terms). A last step tabulates planned against
 measured and fails when an optimizer's estimate is more than 10% off (the goal for Muon and
 every optimizer added after it). --micro sets the micro-batch (and the global batch to it, no
-accumulation); a small one leaves the optimizer's state a large share of the peak.
+accumulation); a small one leaves the optimizer's state a large share of the peak, a large one
+tests the activations' estimate. A preset with optim.embed_lr (speedrun-124m) runs the other
+optimizers with `--set optim.embed_lr=0` (the tables then sit in AdamW's no-decay group: the
+same memory).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def registered() -> list[str]:
 def add_arguments(p) -> None:
     add_common(p, "gpt2-124m-1024", warmup=3, steps=3)
     p.add_argument("--optimizers", default=None, help="comma-separated optim.name values (default: every registered)")
-    p.add_argument("--micro", default="8", help="micro-batch sizes to run, comma-separated (default 8)")
+    p.add_argument("--micro", default="2,8", help="micro-batch sizes to run, comma-separated (default 2,8)")
     p.add_argument("--tolerance", type=float, default=0.10, help="largest relative error allowed (default 0.10)")
 
 
