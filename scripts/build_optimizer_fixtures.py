@@ -11,7 +11,10 @@ commit). The script then resumes a copy to step 5 with the same code and writes 
 the logged losses of steps 4 and 5 and a digest of every tensor of the step-5 checkpoint
 (model, optimizer state, RNG), plus the torch version and CPU capability they were computed
 with, on one thread. tests/test_optimizer_fixture.py resumes the fixture with today's code and compares.
-Produced on 2026-11-27 on a 2-core x86 box (AVX2), torch 2.13 CPU.
+Produced on 2026-11-27 at commit 62988e0 on a 2-core x86 box, torch 2.13 CPU (torch reports its
+CPU capability as AVX512; expected.json records it). To rebuild the same fixture, run this script
+on a checkout of 62988e0 (`git archive 62988e0 | tar -x -C DIR`, then this file into DIR/scripts and
+tests/fixture_digest.py into DIR/tests): a later commit writes its own spelling into config.yaml.
 """
 from __future__ import annotations
 
