@@ -6,7 +6,7 @@
 
 Two Trainers of the `demo` preset on synthetic tokens of its vocabulary (4,096), one per dtype,
 step in turn, so a box whose load changes during the run slows both alike. Prints the median
-step time and tokens/s of each, and what train.muon_ns_dtype=auto picks here.
+step time and tokens/s of each, and what optim.muon_ns_dtype=auto picks here.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main() -> None:
     for name in ("bf16", "fp32"):
         cfg = load_config("demo", ["data.source=synthetic", "model.vocab_size=4096", "train.device=cpu",
                                    "log.samples=0", "log.progress=false", f"log.root={root}", f"log.name={name}",
-                                   f"train.muon_ns_dtype={name}"])
+                                   f"optim.muon_ns_dtype={name}"])
         trainers[name] = Trainer(cfg)
     for t in trainers.values():  # the first steps pay for kernel selection
         t.train_step()
@@ -53,7 +53,7 @@ def main() -> None:
         print(f"  Newton-Schulz {name}: median step {1e3 * med:.1f} ms, {tokens / med:,.0f} tok/s "
               f"(min {1e3 * min(ts):.1f}, max {1e3 * max(ts):.1f} ms)")
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[choice.dtype]
-    print(f"  train.muon_ns_dtype=auto picks {name} ({choice.describe()})")
+    print(f"  optim.muon_ns_dtype=auto picks {name} ({choice.describe()})")
 
 
 if __name__ == "__main__":

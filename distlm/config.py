@@ -1,4 +1,4 @@
-"""One typed config tree (model / data / train / parallel / log).
+"""One typed config tree (model / data / train / optim / parallel / log / init / task).
 
 Loaded from YAML, overridden by dotted ``key=value`` strings, validated with the
 offending field and value named. ``model=NAME`` (or ``--config NAME``) picks a
@@ -122,19 +122,6 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    optimizer: str = choice("adamw", "adamw", "muon",
-                            help="muon: Muon (orthogonalised momentum) for the blocks' weight matrices, "
-                                 "AdamW for embeddings, head, norms and biases (distlm/train/muon.py)")
-    muon_lr: float = doc(0.02, "Muon's peak learning rate; the train.lr schedule scales it by muon_lr/lr")
-    embed_lr: float = doc(0.0, "train.optimizer=muon: AdamW's peak rate for the embedding tables (token and "
-                                "value embeddings), on train.lr's schedule; 0 = train.lr. Needs an untied head")
-    muon_momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
-    muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (in train.muon_ns_dtype)")
-    muon_ns_dtype: str = choice("auto", "auto", "bf16", "fp32",
-                                help="Muon: the dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA, on a CPU "
-                                     "whichever a timed matmul finds faster (fp32 where bf16 has no fast path, "
-                                     "e.g. AVX2-only CPUs)")
-    muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
     grad_clip: float = doc(1.0, "max global grad norm; 0 disables")
     eval_every: int = doc(100, "steps between validation passes; 0 = only at the end")
     eval_batches: int = doc(20, "micro-batches per validation pass, over all ranks, spread across the whole "
@@ -183,6 +170,60 @@ class TrainConfig:
                                    "the planner's memory estimate of this run is more than the device has free "
                                    "(host RAM on CPU, the GPU's free memory on CUDA); false = start anyway, for "
                                    "when you know the estimate is wrong for your machine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer (distlm/optim/): ``name`` picks one from the registry, the fields after it
+    belong to one optimizer each and say which by their prefix. The learning-rate schedule
+    (train.lr, min_lr, warm-up, decay) drives every optimizer; AdamW's own settings
+    (train.beta1, beta2, eps, weight_decay) stay with it in ``train``, as every optimizer here
+    keeps AdamW for some parameters."""
+    name: str = choice("adamw", "adamw", "muon", "lion",
+                       help="adamw: AdamW for every parameter; muon: Muon (orthogonalised momentum) for the "
+                            "blocks' weight matrices, AdamW for embeddings, head, norms and biases "
+                            "(distlm/optim/muon.py); lion: the sign of an interpolated momentum for every "
+                            "parameter, one state tensor each (distlm/optim/lion.py)")
+    muon_lr: float = doc(0.02, "Muon's peak learning rate; the train.lr schedule scales it by muon_lr/lr")
+    embed_lr: float = doc(0.0, "optim.name=muon: AdamW's peak rate for the embedding tables (token and "
+                               "value embeddings), on train.lr's schedule; 0 = train.lr. Needs an untied head")
+    muon_momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
+    muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (in optim.muon_ns_dtype)")
+    muon_ns_dtype: str = choice("auto", "auto", "bf16", "fp32",
+                                help="Muon: the dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA, on a CPU "
+                                     "whichever a timed matmul finds faster (fp32 where bf16 has no fast path, "
+                                     "e.g. AVX2-only CPUs)")
+    muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
+    lion_beta1: float = doc(0.9, "Lion: the update is sign(beta1 m + (1 - beta1) g)")
+    lion_beta2: float = doc(0.99, "Lion: the momentum m <- beta2 m + (1 - beta2) g")
+    lion_weight_decay: float = doc(1.0, "Lion: decoupled weight decay on the matrices that are not embeddings "
+                                        "(Lion wants train.lr 3-10x below AdamW's and this 3-10x above)")
+
+
+# Keys that moved to another section, old spelling -> new. Configs, presets and command lines
+# written before 2026-11-27, and every run and checkpoint saved before then (config.yaml,
+# run-config.json, the checkpoint marker), spell the optimizer's settings as flat train.*
+# keys; they are read as the new ones, and written back only in the new spelling.
+MOVED_KEYS = {
+    "train.optimizer": "optim.name",
+    **{f"train.{k}": f"optim.{k}" for k in ("muon_lr", "embed_lr", "muon_momentum", "muon_ns_steps",
+                                            "muon_ns_dtype", "muon_weight_decay")},
+}
+
+
+def upgraded(data: dict) -> dict:
+    """A saved or written config mapping with every moved key under its new name (the old
+    spelling's value wins over a default only: a new key given as well is kept)."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")
+        values = out.get(old_section)
+        if isinstance(values, dict) and old_name in values:
+            value = values.pop(old_name)
+            target = out.setdefault(new_section, {})
+            if isinstance(target, dict):
+                target.setdefault(new_name, value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -252,6 +293,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
     init: InitConfig = field(default_factory=InitConfig)
@@ -358,13 +400,17 @@ class _Values:
         self.values = {section: dataclasses.asdict(getattr(base, section)) for section in SECTIONS}
 
     def set(self, section: str, key: str, value: Any) -> None:
+        spelled = f"{section}.{key}"
+        if spelled in MOVED_KEYS:  # an old spelling: the value goes to the new key, errors name both
+            section, key = MOVED_KEYS[spelled].split(".")
+            spelled = f"{spelled} (now {section}.{key})"
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
         fields = _field_types(SECTIONS[section])
         if key not in fields:
             raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
         typ, f = fields[key]
-        self.values[section][key] = _coerce(f"{section}.{key}", value, typ, f)
+        self.values[section][key] = _coerce(spelled, value, typ, f)
 
     def merge(self, data: dict, origin: str) -> None:
         for section, values in data.items():
@@ -455,11 +501,12 @@ def validate_settings(cfg: Config) -> None:
         if v is not None and v <= 0:  # None: auto, chosen positive at start-up
             raise ConfigError(f"{key} must be positive, got {v}")
     _validate_numbers(cfg)  # before anything below computes with a value
-    if t.embed_lr and t.optimizer != "muon":
-        raise ConfigError(f"train.embed_lr={t.embed_lr} applies to train.optimizer=muon only (got {t.optimizer}); "
-                          f"with adamw every table trains at train.lr")
-    if t.embed_lr and m.tie_embeddings:
-        raise ConfigError(f"train.embed_lr={t.embed_lr} needs model.tie_embeddings=false: a tied table is also "
+    o = cfg.optim
+    if o.embed_lr and o.name != "muon":
+        raise ConfigError(f"optim.embed_lr={o.embed_lr} applies to optim.name=muon only (got {o.name}); with "
+                          f"{o.name} every table trains at train.lr")
+    if o.embed_lr and m.tie_embeddings:
+        raise ConfigError(f"optim.embed_lr={o.embed_lr} needs model.tie_embeddings=false: a tied table is also "
                           f"the head, which trains at train.lr")
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
@@ -547,9 +594,10 @@ _RANGES = {
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
     "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
     "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
-    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "train.muon_lr": _above(0),
-    "train.embed_lr": _at_least(0), "train.muon_momentum": _in_unit(False), "train.muon_ns_steps": _at_least(1),
-    "train.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
+    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "optim.muon_lr": _above(0),
+    "optim.embed_lr": _at_least(0), "optim.muon_momentum": _in_unit(False), "optim.muon_ns_steps": _at_least(1),
+    "optim.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
+    "optim.lion_beta1": _in_unit(True), "optim.lion_beta2": _in_unit(False), "optim.lion_weight_decay": _at_least(0),
 }
 
 
@@ -564,7 +612,7 @@ _UPPER = {
     "model.block_size": 1 << 24, "model.vocab_size": 1 << 24, "model.vocab_pad_multiple": 1 << 16,
     "model.value_embeds": 1 << 12, "model.attn_window": 1 << 24, "model.loss_chunk": 1 << 30,
     "train.global_batch_size": 1 << 24, "train.micro_batch_size": 1 << 24, "train.seq_warmup_start": 1 << 24,
-    "train.muon_ns_steps": 1 << 10, "parallel.pp_microbatches": 1 << 20, "parallel.pp_virtual_stages": 1 << 10,
+    "optim.muon_ns_steps": 1 << 10, "parallel.pp_microbatches": 1 << 20, "parallel.pp_virtual_stages": 1 << 10,
     "parallel.ddp_bucket_mb": 1 << 20, "log.samples": 1 << 10, "model.norm_eps": 1.0,
 }
 # Every other integer must fit the int64 that torch and numpy hold it in (a seed, a step count).

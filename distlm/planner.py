@@ -3,7 +3,9 @@
     distlm plan --config gpt2-1.5b --gpus 4 --gpu-mem-gb 80 --global-batch 64 --micro-batch 8
 
 Estimates, per GPU, the largest pipeline stage's (memory in GiB, as `distlm bench` reports it):
-  parameters, gradients (fp32) and AdamW state (2 x fp32), divided by tp for the split
+  parameters, gradients (fp32) and the optimizer's state as it declares it per parameter
+  (distlm/optim/: AdamW 2 x fp32; Muon 1 x fp32 for the blocks' matrices, AdamW's for the
+  rest; the larger of the activations and the step's own temporaries), divided by tp for the split
   matrices and by dp_shard under FSDP2; the FSDP2 all-gather buffers (two blocks, bf16);
   activations saved for backward, counted tensor by tensor for this model's blocks (see
   ``block_saved_elements``), times the microbatches a schedule keeps in flight, or only
@@ -28,6 +30,7 @@ from typing import Callable, Optional
 
 from distlm.config import ModelConfig
 from distlm.model.memory import GIB, block_params, end_params
+from distlm.optim import MATRIX, OTHER, REGISTRY, Spec
 
 GB = 1e9        # communication volume and link speed
 
@@ -135,10 +138,19 @@ class Estimate:
     nodes: int = 1
     time_ms: dict = field(default_factory=dict)   # the step-time estimate's terms
     micro_batch: int = 0                          # sequences per forward the estimate is for
+    optimizer: str = "adamw"                      # whose state optim_gb counts
+    step_temporaries_gb: float = 0.0              # the optimizer step's own temporaries (not in total_gb
+                                                  # when the activations, gone by then, are larger)
 
     @property
     def tokens_per_s(self) -> float:
         return self._tokens / self.step_s if self.step_s else 0.0
+
+
+def block_matrix_params(m: ModelConfig) -> int:
+    """The 2-D weights of one block (attention's four projections, the MLP's matrices): the
+    parameters a matrix optimizer such as Muon takes (distlm/optim/groups.py), all split by TP."""
+    return 4 * m.d_model * m.d_model + (3 if m.mlp == "swiglu" else 2) * m.d_model * m.d_ff
 
 
 def block_saved_elements(m: ModelConfig, tp: int, sp: bool) -> tuple[float, float]:
@@ -189,12 +201,13 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
              compute_bytes: int = 2, peak_tflops: float = 989.0, intra_gbs: float = 150.0,
              inter_gbs: float = 25.0, gpus_per_node: Optional[int] = None, mfu: float = MFU,
              sequence_parallel: bool = True, loss_parallel: bool = True,
-             link_gbs: Optional[float] = None) -> Estimate:
+             link_gbs: Optional[float] = None, optimizer: Optional[Spec] = None) -> Estimate:
     """Memory per GPU on the busiest stage, communication and a step-time guess.
     compute_bytes: 2 for bf16 autocast on GPUs, 4 for fp32 (CPU). intra_gbs / inter_gbs:
     bus bandwidth per GPU inside a node (NVLink) and between nodes (its share of the NICs:
     25 for 200 Gb/s per GPU); gpus_per_node defaults to every GPU of the layout in one node.
-    link_gbs is the former name of intra_gbs."""
+    link_gbs is the former name of intra_gbs. optimizer: the registry's spec whose declared
+    state is counted (distlm/optim/; default AdamW)."""
     intra_gbs = intra_gbs if link_gbs is None else link_gbs
     for name, value in (("intra_gbs", intra_gbs), ("inter_gbs", inter_gbs), ("peak_tflops", peak_tflops),
                         ("mfu", mfu)):
@@ -210,10 +223,20 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     bs, br = block_params(m)
     emb, head, extra = end_params(m)
     L = layer_split(m, lay.pp)
-    ends = emb + head + extra if lay.pp == 1 else max(emb + extra, head or emb)
+    # model.value_embeds: more token tables beside the embedding (refused under PP), held and
+    # updated like it (by AdamW, whatever the optimizer of the matrices)
+    tables = m.value_embeds * m.padded_vocab_size * d
+    ends = emb + head + extra + tables if lay.pp == 1 else max(emb + extra, head or emb)
     n_local = (L * bs + ends) / t + L * br
     p_bytes = 4 * n_local / shard
-    params_gb, grads_gb, optim_gb = p_bytes / GIB, p_bytes / GIB, 2 * p_bytes / GIB
+    # The optimizer's state as it declares it per parameter: the blocks' matrices (all split by
+    # TP) may be kept otherwise than the rest (Muon: one momentum against AdamW's two moments).
+    spec = optimizer or REGISTRY["adamw"]
+    n_matrix = L * block_matrix_params(m) / t
+    by_kind = {MATRIX: n_matrix / shard, OTHER: (n_local - n_matrix) / shard}
+    optim_gb = sum(spec.state_bytes(kind) * n for kind, n in by_kind.items()) / GIB
+    step_temporaries_gb = sum(4 * spec.step_temporaries.get(kind, 0.0) * n for kind, n in by_kind.items()) / GIB
+    params_gb, grads_gb = p_bytes / GIB, p_bytes / GIB
     buffers_gb = (2 * compute_bytes * (bs / t + br) / GIB) if shard > 1 else 0.0
     # activations of one microbatch on this stage, times those in flight
     fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
@@ -230,7 +253,8 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
         activations_gb = (kept * in_flight + max(logits, per_layer)) / GIB
     else:
         activations_gb = (per_layer * L * in_flight + logits) / GIB
-    total = params_gb + grads_gb + optim_gb + buffers_gb + activations_gb
+    # The optimizer step runs after the backward pass, when the activations are freed.
+    total = params_gb + grads_gb + optim_gb + buffers_gb + max(activations_gb, step_temporaries_gb)
     # communication per GPU per step (bytes sent) on each axis's collectives, ring algorithms:
     # 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter
     sent = {}
@@ -275,7 +299,8 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
                    time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
                             "tp_host": tp_host_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
                             "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
-                            "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch)
+                            "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch,
+                   optimizer=spec.name, step_temporaries_gb=step_temporaries_gb)
     est._tokens = global_batch * T
     return est
 
@@ -384,7 +409,7 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
     lay = best.layout
     why = [f"recommended: {lay.name} ({lay.overrides() or 'no parallel.* settings'})"]
     why.append(f"  fits: {best.total_gb:.1f} GiB of {gpu_mem_gb:.0f} GiB per GPU at micro-batch {best.micro_batch} "
-               f"(params {best.params_gb:.1f}, grads {best.grads_gb:.1f}, AdamW {best.optim_gb:.1f}, "
+               f"(params {best.params_gb:.1f}, grads {best.grads_gb:.1f}, {best.optimizer} state {best.optim_gb:.1f}, "
                f"activations {best.activations_gb:.1f})")
     fits = [e for e in ests if e.fits]
     if len(fits) > 1:
@@ -396,7 +421,7 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
     if lay.ac == "full":
         why.append("  activation checkpointing recomputes the forward (~33% more compute) to fit")
     if lay.dp_shard > 1 and lay.dp_replicate == 1:
-        why.append("  FSDP2 shards parameters, gradients and AdamW state, so each GPU holds 1/N of them")
+        why.append("  FSDP2 shards parameters, gradients and optimizer state, so each GPU holds 1/N of them")
     if lay.dp_shard > 1 and lay.dp_replicate > 1:
         why.append(f"  HSDP: FSDP2 over dp_shard={lay.dp_shard} inside a node, and only the all-reduce of each "
                    f"GPU's 1/{lay.dp_shard} of the gradients over dp_replicate={lay.dp_replicate} crosses nodes")
@@ -410,7 +435,7 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
 
 
 def format_table(ests: list[Estimate]) -> str:
-    head = ("| layout | micro-batch | fits | params | grads | AdamW | FSDP buf | activations | total GiB "
+    head = ("| layout | micro-batch | fits | params | grads | optim state | FSDP buf | activations | total GiB "
             "| comm GB/step | inter-node GB/step | bubble | est. ms/step | est. tok/s |")
     rows = [head, "|" + "---|" * 14]
     for e in ests:

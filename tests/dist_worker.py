@@ -27,7 +27,7 @@ from distlm.config import load_config
 from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims
 from distlm.parallel.grad import clip_grad_norm
-from distlm.train.optim import one_mesh_per_group
+from distlm.optim.groups import one_mesh_per_group
 from distlm.train.setup import build_model
 from distlm.train.trainer import Trainer
 

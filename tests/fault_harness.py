@@ -124,7 +124,7 @@ def fresh_model_and_optimizer(overrides: list[str]):
         model = GPT(cfg.model)
     model.to_empty(device="cpu")
     model.init_weights(cfg.train.seed, torch.device("cpu"))
-    return model, build_optimizer(model, cfg.train, "cpu")
+    return model, build_optimizer(model, cfg, "cpu")
 
 
 def load_into_fresh(ckpt: Path, overrides: list[str] = CLI_TINY) -> dict:

@@ -56,7 +56,7 @@ def build(overrides: list[str], dims: ParallelDims | None = None, ns_dtype: torc
         m.init_weights(cfg.train.seed)
 
     model = parallelize(gpt, dims, cfg, materialize)[0]
-    opt = build_optimizer(model, cfg.train, "cpu")
+    opt = build_optimizer(model, cfg, "cpu")
     opt.ns_dtype = ns_dtype
     return cfg, model, gpt, opt
 

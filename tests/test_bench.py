@@ -146,6 +146,7 @@ SUITE_OPTIONS = {  # every suite, and the options that add steps
     "multi-node": [["--gpus", "4"], ["--gpus", "2", "--emulate", "disable", "--compile"]],
     "float8": [["--gpus", "4"], ["--gpus", "4", "--items", "loss", "--models", "llama-7b", "--loss-recipes",
                                  "tensorwise,rowwise", "--loss-steps", "200", "--memory-cap-gib", "79"]],
+    "memory": [[], ["--optimizers", "muon", "--micro", "4,8", "--config", "gpt2-355m"]],
 }
 
 
@@ -251,6 +252,36 @@ def test_a_cpu_run_records_the_result_with_its_provenance(tmp_path):
     folder = Path(record["folder"])
     assert (folder / "command.txt").read_text().strip() == record["command"]
     assert (folder / "log.txt").is_file()
+
+
+def test_the_memory_suite_runs_every_registered_optimizer_and_compares_planned_with_measured(tmp_path, capsys):
+    """One tiny bench per optimizer on the CPU through the runner: each result holds the
+    planner's estimate for its own optimizer (no peak is measured on a CPU), and the last step
+    tabulates them. Then the comparison itself, on results as a GPU writes them."""
+    from distlm.optim import REGISTRY
+    planned = dry_run(capsys, "memory", [])
+    assert [w for words in planned for w in words if w.startswith("optim.name=")] == \
+        [f"optim.name={n}" for _micro in (2, 8) for n in REGISTRY]
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "memory", "--cpu", "--out", str(out), "--micro", "4",
+                           "--warmup", "1", "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [f"{n}-m4" for n in REGISTRY] + ["compare"]
+    state = {r["result"]["optimizer"]: r["result"]["planned_mem_terms_gb"]["optimizer_state"] for r in records[:-1]}
+    assert state["muon"] < state["adamw"]  # one momentum for the blocks' matrices against two moments
+    assert all(r["rc"] == 0 for r in records) and all(r["result"]["peak_mem_gb"] is None for r in records[:-1])
+    assert "nothing measured" in (Path(records[-1]["folder"]) / "log.txt").read_text()
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    import memory_report
+    for name, measured, rc in (("close", 1.05, 0), ("far", 1.25, 1)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "result.json").write_text(json.dumps({"optimizer": "muon", "micro_batch_size": 8,
+                                                        "planned_mem_gb": 1.0, "peak_mem_gb": measured}))
+        assert memory_report.main([str(folder)]) == rc, name
+    assert "-20.0%" in memory_report.table(memory_report.rows([folder]))  # (planned - measured) / measured
 
 
 def test_time_to_loss_report_reads_the_suites_run_folders(tmp_path):

@@ -34,7 +34,7 @@ import torch
 from distlm.checkpoint import store as ckpt
 from distlm.config import load_config
 from distlm.train.matmul_dtype import MatmulDtypeProbe
-from distlm.train.muon import Muon, newton_schulz
+from distlm.optim.muon import Muon, newton_schulz
 from distlm.train.optim import build_optimizer, resolve_ns_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,14 +91,14 @@ def test_auto_picks_fp32_where_bf16_is_measured_slower_and_measures_once():
 
     probe = MatmulDtypeProbe(measure=slow_bf16)
     cfg = load_config("demo", DEMO_SYNTHETIC)
-    assert cfg.train.muon_ns_dtype == "auto"
+    assert cfg.optim.muon_ns_dtype == "auto"
     resolved, line = resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), probe)
-    assert resolved.train.muon_ns_dtype == "fp32"
-    assert line.startswith("train.muon_ns_dtype=auto: fp32") and "bf16 46.40 ms, fp32 1.08 ms" in line
+    assert resolved.optim.muon_ns_dtype == "fp32"
+    assert line.startswith("optim.muon_ns_dtype=auto: fp32") and "bf16 46.40 ms, fp32 1.08 ms" in line
     assert probe.fastest("cpu") is torch.float32 and len(calls) == 2  # cached: not measured again
 
     fast_bf16 = MatmulDtypeProbe(measure=lambda d, dtype: {torch.bfloat16: 0.30e-3, torch.float32: 1.26e-3}[dtype])
-    assert resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), fast_bf16)[0].train.muon_ns_dtype == "bf16"
+    assert resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), fast_bf16)[0].optim.muon_ns_dtype == "bf16"
 
     def never(device, dtype):
         raise AssertionError("CUDA is not timed: bf16 runs on tensor cores")
@@ -114,7 +114,7 @@ def test_build_optimizer_runs_newton_schulz_in_the_configured_dtype():
     cfg = load_config("demo", DEMO_SYNTHETIC)
     model = GPT(cfg.model)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        opt = build_optimizer(model, load_config("demo", DEMO_SYNTHETIC + [f"train.muon_ns_dtype={name}"]).train, "cpu")
+        opt = build_optimizer(model, load_config("demo", DEMO_SYNTHETIC + [f"train.muon_ns_dtype={name}"]), "cpu")
         assert isinstance(opt, Muon) and opt.ns_dtype is dtype
 
 
@@ -329,5 +329,5 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
         assert f"step {step}/{total} | {times}" in bar, (step, times, bar[-2000:])
     assert "Warning" not in bar and "warning" not in stdout.lower(), (bar[-2000:], stdout)
     if x86:
-        assert "train.muon_ns_dtype=auto: fp32 for Newton-Schulz" in stdout, stdout
+        assert "optim.muon_ns_dtype=auto: fp32 for Newton-Schulz" in stdout, stdout
         assert "muon_ns_dtype: fp32" in (tmp_path / "follow" / "config.yaml").read_text()

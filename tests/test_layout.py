@@ -17,6 +17,8 @@ LAYERS = [
     ("distlm.model",),
     ("distlm.report",),  # plots and samples, for the Trainer, the tasks and the command line
     ("distlm.parallel",),
+    # The optimizers: built by the Trainer, their declared state counted by the planner.
+    ("distlm.optim",),
     ("distlm.tasks", "distlm.interop"),
     # The planner's memory estimate picks the Trainer's auto micro-batch (train/fast_defaults.py).
     ("distlm.train", "distlm.planner"),

@@ -1,4 +1,4 @@
-"""Muon (distlm/train/muon.py) and train.optimizer (distlm/train/optim.py).
+"""Muon (distlm/optim/muon.py) and optim.name (distlm/optim/, distlm/train/optim.py).
 
 One process: the Newton-Schulz polynomial and its output, the update rule (lr schedule
 scale, shape scale, decoupled decay, per-block q/k/v), the AdamW groups against torch's
@@ -21,8 +21,9 @@ import torch.nn as nn
 
 from distlm.config import ConfigError, load_config
 from distlm.model.gpt import GPT
-from distlm.train.muon import NS_BAND, NS_COEFFS, Muon, newton_schulz, update_scale
-from distlm.train.optim import build_optimizer, muon_params
+from distlm.optim.muon import NS_BAND, NS_COEFFS, Muon, newton_schulz, update_scale
+from distlm.optim.groups import matrix_params
+from distlm.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "muon_worker.py"
@@ -148,10 +149,10 @@ def test_fused_qkv_is_orthogonalised_per_block():
             self.head = nn.Linear(16, 10, bias=False)
 
     toy = Toy()
-    plain, fused = muon_params(toy)
+    plain, fused = matrix_params(toy)
     assert [p is toy.blocks["0"].proj.weight for p in plain] == [True]
     assert [p is toy.blocks["0"].attn.qkv.weight for p in fused] == [True]
-    cfg = load_config(None, ["train.optimizer=muon", "train.lr=1e-3", "train.muon_lr=0.02"]).train
+    cfg = load_config(None, ["train.optimizer=muon", "train.lr=1e-3", "train.muon_lr=0.02"])
     opt = build_optimizer(toy, cfg, "cpu")
     assert [(g["kind"], g.get("split")) for g in opt.param_groups] == \
         [("adamw", None), ("adamw", None), ("muon", 1), ("muon", 3)]
@@ -195,9 +196,9 @@ def test_adamw_groups_step_exactly_like_torch_adamw():
 # ---- train.optimizer --------------------------------------------------------------------
 def test_default_optimizer_is_todays_adamw():
     cfg = load_config(None, TINY + ["model.tie_embeddings=false", "model.position=learned"])
-    assert cfg.train.optimizer == "adamw"
+    assert cfg.optim.name == "adamw"
     model = GPT(cfg.model)
-    opt = build_optimizer(model, cfg.train, "cpu")
+    opt = build_optimizer(model, cfg, "cpu")
     assert type(opt) is torch.optim.AdamW
     named = dict(model.named_parameters())
     decay = [n for n, p in named.items() if p.ndim >= 2 and n not in ("tok_emb.weight", "pos_emb.weight")]
@@ -216,7 +217,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
                                     "train.muon_momentum=0.9", "train.muon_ns_steps=4",
                                     "train.muon_weight_decay=0.01", "model.mlp=swiglu"])
     model = GPT(cfg.model)  # tied head: the one table is AdamW's, once
-    opt = build_optimizer(model, cfg.train, "cpu")
+    opt = build_optimizer(model, cfg, "cpu")
     names = {id(p): n for n, p in model.named_parameters()}
     kinds = [g["kind"] for g in opt.param_groups]
     # Tied head: the table is AdamW's (no decay), and the decay group, empty, is left out.
@@ -240,7 +241,7 @@ def test_embed_lr_gives_the_tables_their_own_rate_on_the_schedule():
     cfg = load_config(None, over)
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    opt = build_optimizer(model, cfg.train, "cpu")
+    opt = build_optimizer(model, cfg, "cpu")
     names = {id(p): n for n, p in model.named_parameters()}
     tables = [g for g in opt.param_groups if g["kind"] == "adamw" and g["lr_scale"] != 1.0]
     assert len(tables) == 1 and tables[0]["lr_scale"] == pytest.approx(50.0)
@@ -275,7 +276,7 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
         cfg = load_config(None, base + extra)
         torch.manual_seed(0)
         model = GPT(cfg.model)
-        return model, build_optimizer(model, cfg.train, "cpu")
+        return model, build_optimizer(model, cfg, "cpu")
 
     model, opt = build(["train.muon_lr=0.03", "train.embed_lr=0.1", "train.beta2=0.95", "train.muon_momentum=0.9"])
     model(torch.randint(0, 128, (2, 16))).float().square().mean().backward()
@@ -297,7 +298,7 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
 
 
 @pytest.mark.parametrize("override,needle", [("model.tie_embeddings=true", "tie_embeddings"),
-                                             ("train.optimizer=adamw", "optimizer=muon only")])
+                                             ("train.optimizer=adamw", "name=muon only")])
 def test_embed_lr_refuses_what_it_cannot_mean(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, TINY + ["train.optimizer=muon", "train.embed_lr=0.1", "model.tie_embeddings=false",
@@ -335,13 +336,13 @@ def test_muon_state_round_trips_bit_exactly(tmp_path):
     cfg = load_config(None, TINY + ["train.optimizer=muon", "train.lr=1e-3", "model.tie_embeddings=false"])
     torch.manual_seed(0)
     a = GPT(cfg.model)
-    opt_a = build_optimizer(a, cfg.train, "cpu")
+    opt_a = build_optimizer(a, cfg, "cpu")
     _train_tiny(a, opt_a, 2)
     # the marker holds what a resume reads: the config and the trainer's state
     path = save_checkpoint(tmp_path / "ckpt", 2, a, opt_a, {"config": cfg.to_dict(), "trainer": {"step": 2}})
     torch.manual_seed(1)  # another init: everything must come from the checkpoint
     b = GPT(cfg.model)
-    opt_b = build_optimizer(b, cfg.train, "cpu")
+    opt_b = build_optimizer(b, cfg, "cpu")
     load_checkpoint(path, b, opt_b)
     torch.set_rng_state(rng)
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())

@@ -250,7 +250,7 @@ def test_every_config_field_is_either_kept_or_free_on_resume():
     muon = ["train.optimizer=muon", "model.tie_embeddings=false"]
     on = load_config("tiny", muon + ["train.embed_lr=0.3"]).to_dict()
     assert differences(on, load_config("tiny", muon + ["train.embed_lr=0.6"])) == []
-    assert differences(on, load_config("tiny", muon)) == [("train.embed_lr", 0.3, 0.0)]
+    assert differences(on, load_config("tiny", muon)) == [("optim.embed_lr", 0.3, 0.0)]
 
 
 # ---- item 8: a short run draws a curve ---------------------------------------------------

@@ -34,15 +34,15 @@ SPEEDRUN = ["--config", "speedrun-124m"]
 
 # Each changes one piece of the recipe (the time-to-loss page gives what each measured).
 ABLATIONS = {
-    "adamw": "train.optimizer=adamw train.lr=1.5e-3 train.beta1=0.9",  # Muon off
+    "adamw": "optim.name=adamw train.lr=1.5e-3 train.beta1=0.9",  # Muon off
     "plainblock": "model.qk_norm=false model.mlp=gelu model.zero_init_proj=false model.logit_softcap=0",
     "cosine": "train.decay=cosine",  # no WSD cool-down
     "docmask": "model.attn_mask=doc",  # document-masked attention (FlexAttention)
     "valemb": "model.value_embeds=3 model.skip_connections=true",
     "novalemb": "model.value_embeds=0 model.skip_connections=false",
     "ve6": "model.value_embeds=6",
-    "embedlr": "train.embed_lr=0.3", "embedlr1": "train.embed_lr=0.1", "embedlr6": "train.embed_lr=0.6",
-    "noembedlr": "train.embed_lr=0",
+    "embedlr": "optim.embed_lr=0.3", "embedlr1": "optim.embed_lr=0.1", "embedlr6": "optim.embed_lr=0.6",
+    "noembedlr": "optim.embed_lr=0",
     "block": "train.compile_scope=block", "model": "train.compile_scope=model",
     "evalcompiled": "train.eval_compile=true",
     "seqwarm": "train.seq_warmup_steps=150 train.seq_warmup_start=256",

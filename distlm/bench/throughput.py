@@ -167,6 +167,11 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
     achieved = per_gpu * fpt / 1e12
     peak = trainer.peak
     compute = step_s - (exposed or 0.0)
+    # What the planner predicts for this run (the estimate the auto micro-batch and the memory
+    # check use, with the state optim.name declares), beside what the busiest rank measured:
+    # benchmarks/suites/memory.py compares the two.
+    from distlm.train.fast_defaults import Device, memory_estimate
+    planned = memory_estimate(cfg, Device(device.type, 0.0), dims, cfg.train.micro_batch_size)
     result = {
         "device": device_name(device), "world_size": dims.world_size, "torch": torch.__version__,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp},
@@ -188,6 +193,11 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         # the busiest rank: pipeline stages and TP/FSDP ranks need not hold the same amount
         "peak_mem_gb": _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
         if device.type == "cuda" else None,
+        "optimizer": cfg.optim.name, "planned_mem_gb": planned.total_gb,
+        "planned_mem_terms_gb": {"params": planned.params_gb, "grads": planned.grads_gb,
+                                 "optimizer_state": planned.optim_gb, "fsdp_buffers": planned.buffers_gb,
+                                 "activations": planned.activations_gb,
+                                 "optimizer_step_temporaries": planned.step_temporaries_gb},
         "pp_schedule": cfg.parallel.pp_schedule if dims.pp > 1 else None,
         "mesh_spread": mesh_spread(dims),
         "pp_microbatches": trainer.stepper.n_microbatches,

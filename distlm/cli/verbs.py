@@ -235,8 +235,8 @@ def plan(
     """Memory and communication per GPU for every layout of N GPUs, ranked.
 
     For each (dp_replicate, dp_shard, tp, pp) layout, with and without activation
-    checkpointing: parameters, gradients, AdamW state, FSDP buffers and activations per
-    GPU, and bytes communicated per step; then a recommendation. Exit 1 when nothing fits.
+    checkpointing: parameters, gradients, optimizer state (as optim.name declares it), FSDP
+    buffers and activations per GPU, and bytes communicated per step; then a recommendation. Exit 1 when nothing fits.
     With --gpus-per-node, the mesh's inner axes (tp, then dp_shard, dp_replicate, pp) stay
     inside a node and the collectives of an axis that spans nodes run at --inter-node-gbs;
     the table's inter-node column names those axes, and HSDP (dp_shard inside a node,
@@ -245,6 +245,7 @@ def plan(
     (distlm/train/fast_defaults.py), as for a GPU with --gpu-mem-gb free; the table's
     micro-batch column says which each layout got.
     """
+    from distlm.optim import spec_for
     from distlm.parallel.dims import ParallelDims
     from distlm.planner import explain, format_table, plan as plan_layouts, skipped_layouts
     from distlm.train.fast_defaults import GPU_MICRO_CAP, HEADROOM, Device, choose
@@ -273,7 +274,7 @@ def plan(
     ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, resolve=resolve, peak_tflops=peak_tflops,
                         intra_gbs=link_gbs, inter_gbs=inter_node_gbs, gpus_per_node=gpus_per_node,
                         compute_bytes=2 if dtype == "bf16" else 4, sequence_parallel=cfg.parallel.sequence_parallel,
-                        loss_parallel=cfg.parallel.loss_parallel)
+                        loss_parallel=cfg.parallel.loss_parallel, optimizer=spec_for(cfg))
     if not ests:
         raise ConfigError(f"no layout of {gpus} GPUs divides global batch {gb}"
                           + (f" into micro-batches of {mb}" if mb else " into whole local batches"))

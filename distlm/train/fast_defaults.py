@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from distlm.config import Config, ConfigError, updated
 from distlm.model.memory import GIB
+from distlm.optim import spec_for
 from distlm.planner import Estimate, Layout, estimate
 
 # docs/results/speed.md: with the whole forward compiled, as fast as 4096 and as the whole
@@ -157,7 +158,8 @@ def memory_estimate(cfg: Config, dev: Device, dims, micro: int) -> Estimate:
     from distlm.train.setup import autocast_dtype
     compute_bytes = 2 if autocast_dtype(cfg, dev) is not None else 4
     return estimate(model, lay, cfg.train.global_batch_size, micro, dev.free_gib, compute_bytes=compute_bytes,
-                    sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+                    sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
+                    optimizer=spec_for(cfg))  # the state optim.name declares (distlm/optim/)
 
 
 def _show(v: Any) -> str:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.errors import CheckpointError
-from distlm.config import SECTIONS, Config, ConfigError
+from distlm.config import SECTIONS, Config, ConfigError, OptimConfig, upgraded
 
 MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # Every architecture field but loss_chunk: they decide the parameters' shapes, or what the
@@ -37,9 +37,10 @@ MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # step: another one changes what the run's early steps trained on (their examples and
     # contexts), and one changed mid-run would send a model already on full blocks back to
     # short rows, unlike extending a learning-rate schedule.
-    # train.embed_lr on or off decides whether the embedding tables have their own optimizer
+    "train": ("seed", "global_batch_size", "seq_warmup_steps", "seq_warmup_start"),
+    # optim.embed_lr on or off decides whether the embedding tables have their own optimizer
     # group; its value, like any rate, may change (see _same).
-    "train": ("seed", "global_batch_size", "optimizer", "seq_warmup_steps", "seq_warmup_start", "embed_lr"),
+    "optim": ("name", "embed_lr"),
     # A language model and a classifier, or two poolings, are different models.
     "task": ("name", "attention", "pooling"),
 }
@@ -52,10 +53,7 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # Length and learning-rate schedule: extending a run (more max_steps, a longer decay)
         # is what resume is for.
         "max_steps", "lr", "min_lr", "warmup_steps", "decay", "wsd_decay_fraction", "weight_decay",
-        "beta1", "beta2", "eps", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_weight_decay", "grad_clip",
-        "schedule_clock",
-        # The Newton-Schulz matmuls' precision: the same update to bf16's rounding.
-        "muon_ns_dtype",
+        "beta1", "beta2", "eps", "grad_clip", "schedule_clock",
         # Accumulation only: the same global batch in more or fewer forwards.
         "micro_batch_size",
         # Evaluation, checkpoints, resume itself.
@@ -66,6 +64,10 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         "fp8",
         # Fault handling.
         "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s", "stop_check_every"),
+    # Every optimizer's own settings (rates, momenta, decay, Muon's Newton-Schulz steps and the
+    # precision of its matmuls, which gives the same update to bf16's rounding), like the
+    # schedule's: all but which optimizer it is and which groups it has (MUST_MATCH).
+    "optim": tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name not in MUST_MATCH["optim"]),
     # Checkpoints are keyed by parameter names, whatever the layout (tested across layouts).
     "parallel": "*",
     "log": "*",
@@ -90,7 +92,7 @@ def must_match_fields() -> list[str]:
 def _same(key: str, saved: Any, now: Any) -> bool:
     if saved == now:
         return True
-    if key == "train.embed_lr":
+    if key == "optim.embed_lr":
         return bool(saved) == bool(now)  # another rate is fine; on <-> off changes the optimizer's groups
     if key == "data.dir" and saved and now:
         # The same folder spelled two ways (relative and absolute): still the same data.
@@ -116,6 +118,7 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     A field missing from an older checkpoint's config counts as its default (new fields
     default to what distlm did before they existed)."""
     out = []
+    saved = upgraded(saved)  # a checkpoint from before 2026-11-27 spells the optimizer train.*
     for key in must_match_fields():
         section, name = key.split(".")
         default = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name).default

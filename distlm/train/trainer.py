@@ -88,7 +88,7 @@ class Trainer:
         seed_for_rank(cfg.train.seed, self.dims)
         # three laps: model plan, weights, data-parallel wrap
         self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task, clock)
-        self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
         self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
         self.stepper.bind(self.task, cfg, self.dims, self.device, self.loader.accum_steps)

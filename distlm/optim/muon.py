@@ -5,7 +5,7 @@ For a weight matrix W (out x in) and its Nesterov momentum M, Muon steps along
 value set to about 1. A plain gradient step is dominated by a few large directions;
 the orthogonalised one moves all of them at the same rate. ``orth`` is approximated with
 a few Newton-Schulz iterations (matmuls only, so bf16 tensor cores run it; on a CPU without
-a fast bf16 path they run in fp32: train.muon_ns_dtype, distlm/train/matmul_dtype.py).
+a fast bf16 path they run in fp32: optim.muon_ns_dtype, distlm/train/matmul_dtype.py).
 
 One optimizer object holds two kinds of parameter groups, tagged ``group["kind"]``:
   - ``"muon"``: 2-D matrices (the transformer blocks' linear weights);
@@ -16,16 +16,13 @@ So the Trainer, ``get_state_dict``/``set_state_dict`` and DCP see one ordinary
 parameter's own layout (a DTensor shard under FSDP2/TP), and reshards like AdamW's moments.
 
 Distributed. Newton-Schulz needs whole matrices, and each matrix is orthogonalised by one
-rank only:
-  - DDP (plain tensors, gradients already all-reduced) and FSDP2 / TP / FSDP2 x TP / HSDP
-    (DTensors): the matrices of one (mesh, placements, shape) are stacked, dealt to the
-    ranks in turn. The stack, sharded as each matrix is (replicated under DDP), is
-    redistributed so that every rank holds its share as whole matrices (a local slice under
-    DDP, an all-to-all under FSDP2 or TP, done by DTensor), orthogonalised there as one
-    batch, and redistributed back (an all-gather under DDP); each rank then updates its own
-    shard. One redistribution pair per bucket, whatever the model's depth.
-  - anything else (one process, pipeline stages without data parallelism, Horovod): every
-    rank orthogonalises the matrices it holds.
+rank only: distlm/parallel/whole_matrix.py deals the momenta out as whole matrices (DDP,
+FSDP2, TP and their products), and each rank then updates its own shard; with no one to
+share the work (one process, pipeline stages without data parallelism, Horovod) every rank
+orthogonalises the matrices it holds.
+
+``MuonSpec`` is its entry in the optimizer registry (optim.name=muon): the blocks' matrices
+to Muon, everything else to AdamW in the same object.
 """
 from __future__ import annotations
 
@@ -33,8 +30,14 @@ import math
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
+import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_update
+
+from distlm.config import Config, ConfigError
+from distlm.optim.adamw import ADAMW_STATE
+from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor
+from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
+from distlm.parallel.whole_matrix import WholeMatrices, local as _local
 
 # Newton-Schulz. One step maps X = U S V^T to p(X) = aX + b(XX^T)X + c(XX^T)^2 X
 # = U p(S) V^T: the singular vectors stay, each singular value s becomes
@@ -93,34 +96,6 @@ def update_scale(rows: int, cols: int) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
-def _shift(placements) -> tuple:
-    """The placements of one matrix, re-expressed for a stack of them (a new dim 0)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-    out = []
-    for pl in placements:
-        # _StridedShard first: on some torch versions it subclasses Shard, on others not.
-        if isinstance(pl, _StridedShard):
-            out.append(_StridedShard(pl.dim + 1, split_factor=pl.split_factor))
-        elif isinstance(pl, Shard):
-            out.append(Shard(pl.dim + 1))
-        else:
-            out.append(pl)  # Replicate (Partial never reaches an optimizer: grads are reduced)
-    return tuple(out)
-
-
 class Muon(torch.optim.Optimizer):
     """Muon for groups of kind "muon" (the default), AdamW for groups of kind "adamw".
 
@@ -129,13 +104,13 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay`` (decoupled: p <- p (1 - lr lr_scale wd)), ``ns_steps``, ``split``
     (a fused q/k/v weight is ``split=3``: its three row blocks are orthogonalised
     separately, as the three matrices they are).
-    AdamW group keys: ``lr``, ``lr_scale`` (as for Muon; train.embed_lr), ``betas``, ``eps``,
+    AdamW group keys: ``lr``, ``lr_scale`` (as for Muon; optim.embed_lr), ``betas``, ``eps``,
     ``weight_decay``, ``foreach``, ``fused``.
 
     ``process_group``: the DDP group whose ranks hold replicated plain-tensor parameters
     (None: each rank orthogonalises what it holds). DTensor parameters bring their own
     mesh. ``ns_dtype``: the Newton-Schulz precision (bf16; fp32 for exact comparisons and
-    on CPUs without a fast bf16 path: build_optimizer picks it from train.muon_ns_dtype).
+    on CPUs without a fast bf16 path: distlm/train/optim.py picks it from optim.muon_ns_dtype).
     """
 
     def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
@@ -149,7 +124,8 @@ class Muon(torch.optim.Optimizer):
         }
         self.process_group = process_group
         self.ns_dtype = ns_dtype
-        self._ddp_mesh = None
+        # Whole momenta stacked and sent in the Newton-Schulz dtype.
+        self.whole = WholeMatrices(process_group, wire_dtype=ns_dtype)
         # How many matrices this rank orthogonalised in the last step (tests check the
         # work is spread, not repeated).
         self.last_orthogonalised = 0
@@ -252,94 +228,67 @@ class Muon(torch.optim.Optimizer):
             for p, m in zip(ps, moms):
                 rows, cols = p.shape[0] // split, p.shape[1]
                 work.append((p, m, lr * update_scale(rows, cols), split, group["ns_steps"]))
-        done = 0
-        cursor: dict = {}  # per mesh: the stack slot where the next matrix goes
-        for key, items in self._buckets(work).items():
-            done += self._orthogonalise_and_apply(*key, items, cursor)
-        self.last_orthogonalised = done
+        self.whole.wire_dtype = self.ns_dtype
+        sizes = [step_size for _, _, step_size, _, _ in work]
+        params = [p for p, _, _, _, _ in work]
 
-    def _buckets(self, work: list) -> dict:
-        """Matrices that can be stacked: same mesh, placements, global shape, split and
-        step count. Dict order follows parameter order, the same on every rank, so the
-        collectives line up."""
-        buckets: dict = {}
-        for p, m, step_size, split, ns_steps in work:
-            if hasattr(p, "device_mesh"):
-                mesh, placements = p.device_mesh, tuple(p.placements)
-            else:
-                mesh, placements = self._replica_mesh(p), None
-            key = (mesh, placements, tuple(p.shape), split, ns_steps)
-            buckets.setdefault(key, []).append((p, m, step_size))
-        return buckets
+        def apply(i: int, update: torch.Tensor) -> None:
+            _local(params[i]).add_(update, alpha=-sizes[i])
 
-    def _replica_mesh(self, p: torch.Tensor):
-        """The DDP group as a 1-D mesh (built once), so replicated plain tensors take the
-        same DTensor path as sharded ones; None when there is no group to share work with."""
-        group = self.process_group
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return None
-        if self._ddp_mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-            self._ddp_mesh = DeviceMesh.from_group(group, p.device.type)
-        return self._ddp_mesh
+        self.last_orthogonalised = self.whole.map([(p, m, (split, ns_steps)) for p, m, _, split, ns_steps in work],
+                                                  self._orthogonalise, apply)
 
-    def _orthogonalise(self, stack: torch.Tensor, split: int, steps: int) -> torch.Tensor:
+    def _orthogonalise(self, stack: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
+        split, steps = tag
         n, rows, cols = stack.shape
         out = newton_schulz(stack.reshape(n * split, rows // split, cols), steps, self.ns_dtype)
         return out.reshape(n, rows, cols)
 
-    def _orthogonalise_and_apply(self, mesh, placements, shape, split: int, steps: int, items: list,
-                                 cursor: dict) -> int:
-        """Returns how many matrices this rank orthogonalised."""
-        if mesh is None:
-            # Nothing to share with: orthogonalise every matrix here, as one batch.
-            moms = torch.stack([m for _, m, _ in items])
-            out = self._orthogonalise(moms, split, steps)
-            for (p, _, step_size), o in zip(items, out):
-                _local(p).add_(o, alpha=-step_size)
-            return len(items)
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        src_pl = _shift(placements) if placements is not None else (Replicate(),)
-        whole = (Shard(0),) * mesh.ndim  # nested over every mesh dim: contiguous matrices per rank
-        n = mesh.size()
-        # The whole bucket in one stack of n * per slots, rank r owning slots [r per, (r+1) per):
-        # one redistribution there and one back, and each rank orthogonalises its share as one
-        # batch. (One round of n matrices at a time cost a redistribution pair and an unbatched
-        # Newton-Schulz per round: 78 ms of a 130 ms DDP2 step for speedrun-124m on 2 H100s.)
-        per = -(-len(items) // n)
-        total = n * per
-        gshape = (total, *shape)
-        stride = _contiguous_stride(gshape)
-        me = self._flat_coordinate(mesh)
-        # Matrices are dealt to the ranks in turn, starting at the rank after the one the
-        # previous bucket on this mesh ended on: shares differ by at most one per bucket and
-        # the short ones rotate. Matrix j goes to rank (start + j) % n, at that rank's next slot.
-        start = cursor.get(mesh, 0)
-        slots = [((start + j) % n) * per + (start + j) // n for j in range(len(items))]
-        cursor[mesh] = (start + len(items)) % n
-        moms = [m.to(self.ns_dtype) for _, m, _ in items]
-        local = [torch.zeros_like(moms[0])] * total
-        for slot, m in zip(slots, moms):
-            local[slot] = m
-        stacked = torch.stack(local)
-        device = stacked.device
-        if device.type != mesh.device_type:  # FSDP2 CPU offload: shards in host memory
-            stacked = stacked.to(torch.device(mesh.device_type, torch.cuda.current_device())
-                                 if mesh.device_type == "cuda" else torch.device(mesh.device_type))
-        dt = DTensor.from_local(stacked, mesh, src_pl, run_check=False, shape=gshape, stride=stride)
-        mine = dt.redistribute(mesh, whole).to_local()  # (per, *shape): whole matrices
-        # Empty slots hold zeros, which stay zeros (x / (|x| + eps)): no need to skip them.
-        mine = self._orthogonalise(mine, split, steps)
-        back = DTensor.from_local(mine, mesh, whole, run_check=False, shape=gshape,
-                                  stride=stride).redistribute(mesh, src_pl).to_local().to(device)
-        for (p, _, step_size), slot in zip(items, slots):
-            _local(p).add_(back[slot], alpha=-step_size)
-        return sum(me * per <= slot < (me + 1) * per for slot in slots)
 
-    @staticmethod
-    def _flat_coordinate(mesh) -> int:
-        """This rank's index in the stack that nested Shard(0) placements give it (row-major)."""
-        idx = 0
-        for c, size in zip(mesh.get_coordinate(), mesh.shape):
-            idx = idx * size + c
-        return idx
+class MuonSpec(Spec):
+    """optim.name=muon: one Muon object with groups [AdamW decay, AdamW no decay, (AdamW
+    embedding tables with optim.embed_lr,) Muon, Muon fused q/k/v], the empty ones left out;
+    group 0 is AdamW's, so ``param_groups[0]["lr"]`` is still the schedule's lr. Every group's
+    ``lr`` is the schedule's value; Muon's groups multiply it by ``lr_scale = muon_lr / lr``."""
+    name = "muon"
+    state = {MATRIX: (StateTensor("momentum_buffer"),), OTHER: ADAMW_STATE}
+    # The Nesterov momenta (one fp32 copy of every matrix, made before any is orthogonalised);
+    # the stacks of one bucket at a time are a small part of it.
+    step_temporaries = {MATRIX: 1.0, OTHER: 0.0}
+
+    def check(self, cfg: Config) -> None:
+        t, o = cfg.train, cfg.optim
+        if t.lr <= 0 or o.muon_lr <= 0:
+            raise ConfigError(f"optim.name=muon needs train.lr > 0 and optim.muon_lr > 0 "
+                              f"(got {t.lr} and {o.muon_lr}): Muon's rate is lr x muon_lr/lr")
+        if not 0.0 <= o.muon_momentum < 1.0:
+            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+        if o.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps must be at least 1, got {o.muon_ns_steps}")
+        if o.muon_weight_decay < 0:
+            raise ConfigError(f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+
+    def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
+        t, o = cfg.train, cfg.optim
+        plain, fused = matrix_params(model)
+        # optim.embed_lr: the embedding tables get their own AdamW group and rate. A table row
+        # moves only when its token occurs, so at the head's rate the tables learn slowly
+        # (the public speedrun gives them ~75x the head's rate).
+        tables = embedding_tables(model) if o.embed_lr else []
+        adamw_groups = param_groups(model, t.weight_decay, exclude={id(p) for p in plain + fused + tables})
+        if tables:
+            adamw_groups.append({"params": tables, "weight_decay": 0.0, "lr_scale": o.embed_lr / t.lr})
+        kernel = elementwise_kernel(adamw_groups, ctx.device_type)
+        groups = [dict(g, kind="adamw", betas=(t.beta1, t.beta2), eps=t.eps,
+                       foreach=kernel.get("foreach"), fused=kernel.get("fused")) for g in adamw_groups]
+        muon = dict(kind="muon", lr_scale=o.muon_lr / t.lr, momentum=o.muon_momentum,
+                    weight_decay=o.muon_weight_decay, ns_steps=o.muon_ns_steps)
+        groups += [dict(muon, params=plain, split=1), dict(muon, params=fused, split=3)]
+        # Empty groups are left out (AdamW's decay group is empty when the head is tied, the
+        # fused q/k/v group when the model has none). get_state_dict keys groups by their
+        # parameters' names, and set_state_dict gives an empty group's hyperparameters to no
+        # one (torch 2.13: it comes back as {}). Which groups exist depends on the architecture
+        # (and under PP on the stage), never on the data/tensor-parallel layout.
+        groups = [g for g in groups if g["params"]]
+        return Muon(groups, lr=t.lr, process_group=ctx.process_group,
+                    ns_dtype=ctx.ns_dtype if ctx.ns_dtype is not None else torch.bfloat16)

@@ -1,0 +1,24 @@
+"""AdamW (torch's) for every parameter: two groups, decay on the matrices that are not embeddings."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distlm.config import Config
+from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor
+from distlm.optim.groups import elementwise_kernel, param_groups
+
+# torch.optim.AdamW's state per parameter: two moments of its shape and a step count.
+ADAMW_STATE = (StateTensor("exp_avg"), StateTensor("exp_avg_sq"), StateTensor("step", like_param=False))
+
+
+class AdamWSpec(Spec):
+    name = "adamw"
+    state = {MATRIX: ADAMW_STATE, OTHER: ADAMW_STATE}
+    step_temporaries = {MATRIX: 0.0, OTHER: 0.0}
+
+    def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
+        t = cfg.train
+        groups = param_groups(model, t.weight_decay)
+        return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                 **elementwise_kernel(groups, ctx.device_type))

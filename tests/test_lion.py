@@ -1,0 +1,109 @@
+"""Lion (distlm/optim/lion.py, optim.name=lion): its update rule, its groups, a bit-exact resume
+in one process, and runs on two gloo ranks (FSDP2 and DDP, one resumed on the other layout and
+one on a single process) against the one-process reference, with the harness of
+tests/test_distributed.py."""
+from __future__ import annotations
+
+import csv
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlm.config import ConfigError, load_config
+from distlm.optim.lion import Lion
+from distlm.train.optim import build_optimizer
+from fixture_digest import checkpoint_digest
+
+LION = ["optim.name=lion", "train.lr=3e-3", "train.min_lr=3e-4", "optim.lion_weight_decay=0.5"]
+
+
+def test_a_step_is_the_sign_of_the_interpolated_momentum_with_decoupled_decay():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    w0, m0 = w.detach().clone(), torch.randn(5, 4)
+    opt = Lion([w], lr=0.01, betas=(0.8, 0.95), weight_decay=0.5)
+    opt.state[w]["exp_avg"] = m0.clone()
+    g = torch.randn(5, 4)
+    w.grad = g.clone()
+    opt.step()
+    expected = w0 * (1 - 0.01 * 0.5) - 0.01 * torch.sign(0.8 * m0 + 0.2 * g)
+    assert torch.allclose(w.detach(), expected, rtol=0, atol=1e-7)
+    assert torch.allclose(opt.state[w]["exp_avg"], 0.95 * m0 + 0.05 * g, rtol=0, atol=1e-6)
+    # every element moves by the rate (plus the decay), whatever the gradient's size
+    assert torch.allclose((w.detach() - w0 * (1 - 0.005)).abs(), torch.full((5, 4), 0.01), atol=1e-7)
+
+
+def test_lion_takes_adamws_groups_with_its_own_decay_and_the_schedules_rate():
+    from distlm.model.gpt import GPT
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_ff=64",
+                             "model.block_size=16", "model.vocab_size=128", "optim.name=lion", "train.lr=2e-4",
+                             "optim.lion_beta1=0.85", "optim.lion_beta2=0.98", "optim.lion_weight_decay=0.7"])
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg, "cpu")
+    assert isinstance(opt, Lion)
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == \
+        [(2e-4, (0.85, 0.98), 0.7), (2e-4, (0.85, 0.98), 0.0)]
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    assert id(model.tok_emb.weight) not in decayed and all(p.ndim == 2 for p in opt.param_groups[0]["params"])
+    with pytest.raises(ConfigError, match=r"optim\.lion_beta2 must be in \[0, 1\), got 1\.0"):
+        load_config(None, ["optim.name=lion", "optim.lion_beta2=1.0"])
+
+
+# ---- bit-exact resume, one process ----------------------------------------------------
+CLI_TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+            "model.vocab_size=128", "data.source=synthetic", "train.global_batch_size=4",
+            "train.micro_batch_size=2", "train.warmup_steps=1", "train.eval_every=0", "train.device=cpu",
+            "log.every=1", "log.progress=false", "log.tensorboard=false", "log.samples=0", *LION]
+
+
+def _losses(run: Path) -> dict[str, tuple[str, str]]:
+    with open(run / "metrics.csv") as f:
+        return {r["step"]: (r["loss"], r["grad_norm"]) for r in csv.DictReader(f) if r.get("loss")}
+
+
+def test_lion_resumes_bit_exactly(tmp_path):
+    """Six steps straight (saving at 3 and 6), and a run resumed from step 3 to 6: the same
+    logged losses and gradient norms, and every tensor of the step-6 checkpoints the same."""
+    from distlm.cli import main
+    base = [*CLI_TINY, f"log.root={tmp_path}", "train.max_steps=6", "train.checkpoint_every=3"]
+    assert main(["train", *base, "log.name=straight"]) == 0
+    straight = tmp_path / "straight"
+    assert main(["train", *base, "log.name=resumed",
+                 f"train.resume={straight / 'checkpoints' / 'step_0000003'}"]) == 0
+    resumed = tmp_path / "resumed"
+    after = {s: v for s, v in _losses(straight).items() if int(s) > 3}
+    assert _losses(resumed) == after and sorted(after) == ["4", "5", "6"]  # the same strings: the same bits
+    final = "checkpoints/step_0000006"
+    digests = checkpoint_digest(resumed / final)
+    assert digests == checkpoint_digest(straight / final)
+    assert any(".exp_avg" in k for k in digests) and not any("exp_avg_sq" in k for k in digests)
+
+
+# ---- two ranks, across layouts ------------------------------------------------------
+@pytest.mark.dist
+def test_lion_on_fsdp2_and_ddp2_and_across_layouts_matches_one_process(tmp_path):
+    """FSDP2 and DDP with Lion against one process; DDP2 resumed from FSDP2's step-3
+    checkpoint (its state resharded into replicas), and one process resumed from it too."""
+    from test_distributed import STEPS, ckpt, overrides, run_worker, trace, train_here
+    lion = [*LION, "model.position=learned"]
+    reference = trace(train_here(overrides(tmp_path, "ref", *lion, "train.micro_batch_size=16")).run_dir)
+    fsdp = f"train.resume={ckpt(tmp_path, 'fsdp2')}"
+    jobs = [{"name": "fsdp2", "overrides": overrides(tmp_path, "fsdp2", *lion, "parallel.dp_shard=2")},
+            {"name": "ddp2", "overrides": overrides(tmp_path, "ddp2", *lion, "parallel.dp_replicate=2")},
+            {"name": "fsdp2_to_ddp2", "overrides": overrides(tmp_path, "fsdp2_to_ddp2", *lion,
+                                                             "parallel.dp_replicate=2", fsdp)}]
+    runs = run_worker(tmp_path, 2, jobs)
+    one = train_here(overrides(tmp_path, "fsdp2_to_1", *lion, "train.micro_batch_size=8", fsdp))
+    assert {r["resumed_from"] for r in runs["fsdp2_to_ddp2"]} == {str(ckpt(tmp_path, "fsdp2"))}
+    assert one.resumed_from == ckpt(tmp_path, "fsdp2")
+    # Lion moves every element by +-lr: a sign that rounding flipped would show as a jump,
+    # so the traces are held to the same fp32 tolerance as AdamW's (tests/test_distributed.py).
+    for name, first in (("fsdp2", 1), ("ddp2", 1), ("fsdp2_to_ddp2", 4), ("fsdp2_to_1", 4)):
+        got = trace(tmp_path / name)
+        assert sorted(got) == list(range(first, STEPS + 1)), name
+        for s in got:
+            for a, b in zip(got[s], reference[s]):
+                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5), (name, s, a, b)
