@@ -14,6 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # that goes upward is still a dependency).
 LAYERS = [
     ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint"),
+    ("distlm.corpus",),
     ("distlm.model",),
     ("distlm.parallel",),
     # The planner's memory estimate picks the Trainer's auto micro-batch (train/fast_defaults.py).

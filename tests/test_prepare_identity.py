@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from distlm.bench.prepare_speed import build_corpora
-from distlm.data import prepare as prep
+from distlm.corpus import prepare as prep
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "prepare_identity" / "digests.json"
 SHAPES = ["small-files", "jsonl", "huge"]

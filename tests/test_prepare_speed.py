@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
-from distlm.data import prepare as prep
-from distlm.data import units
+from distlm.corpus import prepare as prep
+from distlm.corpus import units
 
 TRICKY = [b"", b"\r", b"\r\n", b"\xef\xbb\xbf", b"\xef\xbb\xbfa\r\nb", b"a\r", b"a\r\r\n\r\nb\r",
           "caf\u00e9 \u4e2d\u6587 \U0001f600\r\n".encode() * 7, b"ok \xff bad \xc3", b"\xed\xa0\x80 surrogate",
@@ -64,8 +64,7 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     import contextlib
     from concurrent.futures import Future
 
-    from distlm.data import prepare_build
-    from distlm.data import tokenizer as tkz
+    from distlm.corpus import build, pool
     monkeypatch.setattr(prep, "TASK_CHARS", 2000)
     doc = tmp_path / "book.txt"
     doc.write_text(" ".join(f"word{i}" for i in range(16000)))
@@ -83,7 +82,7 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
                 self.set_result(self.compute())
             return super().result()
 
-    class Recording(tkz._Inline):
+    class Recording(pool._Inline):
         hash_later = True
 
         def run(self, fn, *args):
@@ -96,7 +95,7 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     def executor(workers, tok):
         yield Recording(tok)
 
-    real_result = prepare_build._result
+    real_result = build._result
 
     def result(future):
         got = real_result(future)
@@ -104,8 +103,8 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
             at_hash.append(len(submitted))
         return got
 
-    monkeypatch.setattr(prepare_build.tkz, "open_executor", executor)
-    monkeypatch.setattr(prepare_build, "_result", result)
+    monkeypatch.setattr(build.workers_pool, "open_executor", executor)
+    monkeypatch.setattr(build, "_result", result)
     two = prep.prepare([str(doc)], tmp_path / "two", workers=2, progress=False)
     pieces = submitted.count("piece")
     assert pieces >= 70 and at_hash == [pieces + 1]

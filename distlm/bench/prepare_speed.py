@@ -177,7 +177,7 @@ def sample_pieces(path: str, sample: int = REFERENCE_SAMPLE) -> list[str]:
     """The first ``sample`` text bytes of ``path``'s documents, in the pieces ``prepare`` feeds
     the tokenizer (tokenizer.split_for_encoding)."""
     from distlm.data import tokenizer as tkz
-    from distlm.data.sources import iter_documents
+    from distlm.corpus.sources import iter_documents
     tok, pieces, n = tkz.gpt2(), [], 0
     for _, text in iter_documents([path]):
         for piece in tkz.split_for_encoding(text, tok.chunk_chars):
@@ -234,7 +234,7 @@ def parallel_reference(pieces: list[str], processes: int, seconds: float | None 
 
 def measure_one(path: str, workers: int, out: str) -> dict:
     """One ``prepare`` run in this (fresh) process: wall, CPU, peak RSS, output digest."""
-    from distlm.data.prepare import prepare
+    from distlm.corpus.prepare import prepare
     shutil.rmtree(out, ignore_errors=True)
     self0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()

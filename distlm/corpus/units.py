@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from distlm.data import DataError
-from distlm.data.formats import (BINARY_PROBE, TAR_SUFFIXES, SourceStats, _file_docs, _hf_arrow_docs, _jsonl_docs,
+from distlm.corpus.formats import (BINARY_PROBE, TAR_SUFFIXES, SourceStats, _file_docs, _hf_arrow_docs, _jsonl_docs,
                                  _parquet_docs, decode_text, split_documents)
+from distlm.data import DataError
 
 UNIT_KINDS = ("files", "lines", "split", "rows", "piece", "hash")
 RANGE_KINDS = ("lines", "split", "rows", "piece")  # a part of one file
