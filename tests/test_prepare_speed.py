@@ -122,6 +122,24 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
                [s["sha256"] for s in one["splits"][name]["shards"]]
 
 
+@pytest.mark.skipif(__import__("sys").platform != "linux", reason="workers are forked on Linux only")
+def test_forked_workers_inherit_what_encoding_imports():
+    """numpy (encoding to shard bytes imports it on first use) is loaded in the parent before the
+    fork, so no worker pays for importing it again; in a fresh process, where nothing loaded it."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from distlm.corpus import pool\n"
+            "from distlm.data.tokenizer import gpt2\n"
+            "def loaded(tok):\n"
+            "    return 'numpy' in sys.modules\n"
+            "with pool.open_executor(2, gpt2()) as ex:\n"
+            "    print('before-first-task', ex.run(loaded).result())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "before-first-task True" in out.stdout
+
+
 def test_benchmark_writes_its_table(tmp_path, monkeypatch):
     """The speed benchmark end to end at a tiny size: a row per worker count, the same bytes at
     each, and the table as markdown and CSV."""
