@@ -69,6 +69,31 @@ def test_output_is_byte_identical_to_the_recorded_one(corpora, workers, tmp_path
     assert got == want
 
 
+def _json_parsers():
+    import json
+    out = [pytest.param(None, id="json"),
+           pytest.param(lambda raw: json.loads(raw.decode("utf-8")), id="json-as-fast-parser")]
+    try:
+        import orjson
+        out.append(pytest.param(orjson.loads, id="orjson"))
+    except ImportError:
+        out.append(pytest.param(None, id="orjson", marks=pytest.mark.skip(reason="orjson not installed")))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("loads", _json_parsers())
+def test_jsonl_output_is_the_same_with_either_json_parser(corpora, workers, loads, tmp_path, monkeypatch):
+    """The JSONL shapes with json alone and with a fast parser (orjson where installed; forked
+    workers inherit the choice)."""
+    from distlm.corpus import formats
+    monkeypatch.setattr(formats, "_FAST_LOADS", loads)
+    monkeypatch.setattr(prep, "TASK_CHARS", TASK)
+    want = json.loads(FIXTURE.read_text())["outputs"]
+    for name in ("jsonl", "huge-jsonl"):
+        assert prepared(corpora[name], tmp_path / name, workers) == want[name], name
+
+
 def test_default_task_size_gives_the_same_bytes(corpora, tmp_path):
     """The output does not depend on how the inputs are cut into tasks."""
     want = json.loads(FIXTURE.read_text())["outputs"]

@@ -122,6 +122,69 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
                [s["sha256"] for s in one["splits"][name]["shards"]]
 
 
+# JSONL lines where a fast parser could differ from json: duplicate keys, escapes, surrogates (paired
+# and lone), invalid UTF-8, NaN, huge integers, null and non-string texts, other fields, a BOM, blanks.
+JSONL_LINES = [b'{"text": "plain"}', b'{"text": "a", "text": "b", "id": 3}', b'{"t\\u0065xt": "escaped key"}',
+               b'{"text": "caf\\u00e9 \\ud83d\\ude00 \\u0000 tab\\t"}', b'{"text": "lone \\ud800 high"}',
+               b'{"text": "bad \xff byte"}', b'{"text": "caf\xc3\xa9 raw"}', b'{"text": null}', b'   ',
+               b'{"meta": {"a": [1, 2.5, NaN, 1e400]}, "text": "with NaN"}', b'{"n": 123456789012345678901234567890, "text": "big"}',
+               b'{"text": "ok"} \r', b'{"text": "\\ud800\\udc00 pair"}', b'\xef\xbb\xbf{"text": "bom"}']
+JSONL_BAD = [b'{"text": 123456789012345678901234567890}', b'{"text": 5}', b'{"body": "x"}', b'[1, 2]', b'{"text": "x"} junk',
+             b'{"text": "a\tb"}', b'\xef\xbb\xbf{"text": "bom"}']
+
+
+def jsonl_read(lines: list[bytes], loads) -> tuple:
+    """The documents, statistics and error of reading ``lines`` as one JSONL file with ``loads``
+    as the fast parser (None: json alone)."""
+    import io
+
+    from distlm.corpus import formats
+    saved, formats._FAST_LOADS = formats._FAST_LOADS, loads
+    stats = formats.SourceStats()
+    docs, error = [], None
+    try:
+        docs = list(formats._jsonl_docs("f.jsonl", io.BytesIO(b"\n".join(lines) + b"\n"), "text", stats))
+    except formats.DataError as e:
+        error = str(e)
+    finally:
+        formats._FAST_LOADS = saved
+    return docs, stats.as_dict(), error
+
+
+def _loaders():
+    import json
+    counted = []
+
+    def json_on_bytes(raw):  # the fast path's contract (bytes in, ValueError out), run by json
+        counted.append(raw)
+        return json.loads(raw.decode("utf-8"))  # strict: UnicodeDecodeError is a ValueError
+
+    out = [pytest.param((json_on_bytes, counted), id="json-as-fast-parser")]
+    try:
+        import orjson
+        out.append(pytest.param((orjson.loads, None), id="orjson"))
+    except ImportError:
+        out.append(pytest.param(None, id="orjson", marks=pytest.mark.skip(reason="orjson not installed")))
+    return out
+
+
+@pytest.mark.parametrize("loader", _loaders())
+def test_a_fast_json_parser_reads_jsonl_as_json_does(loader):
+    """With a fast parser (orjson where installed) every line gives what json alone gives: the
+    same documents, replacement counts and error messages; the fast parser reads the lines it can."""
+    loads, counted = loader
+    good = [line for line in JSONL_LINES if not line.startswith(b"\xef")]
+    assert jsonl_read(good, loads) == jsonl_read(good, None)
+    assert jsonl_read(good, None)[0][2] == ("f.jsonl:3", "escaped key")
+    if counted is not None:
+        assert len(counted) == len([line for line in good if line.strip()])
+    for bad in JSONL_BAD:
+        lines = [b'{"text": "first"}', bad]
+        want = jsonl_read(lines, None)
+        assert want[2] is not None and want[2].startswith("f.jsonl:2: ")
+        assert jsonl_read(lines, loads) == want
+
+
 @pytest.mark.skipif(__import__("sys").platform != "linux", reason="workers are forked on Linux only")
 def test_forked_workers_inherit_what_encoding_imports():
     """numpy (encoding to shard bytes imports it on first use) is loaded in the parent before the
