@@ -354,8 +354,13 @@ def machine() -> str:
     cores = {(open(f"{d}/physical_package_id").read().strip(), open(f"{d}/core_id").read().strip())
              for d in map(str, Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"))
              if os.path.exists(f"{d}/core_id")}
+    try:
+        import orjson
+        json_parser = f"orjson {orjson.__version__}"
+    except ImportError:
+        json_parser = "no orjson (JSONL through json)"
     return (f"{os.cpu_count()} logical CPUs on {len(cores) or '?'} physical cores ({cpu}), "
-            f"python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
+            f"python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, {json_parser}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 

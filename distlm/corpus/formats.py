@@ -159,8 +159,9 @@ def decode_text(label: str, data: bytes, stats: SourceStats, head: bool = True) 
         stats.files_with_invalid_utf8 += 1
     text = text[1:] if head and text.startswith("\ufeff") else text
     # Windows line ends (the Gutenberg files have them) would otherwise cost a token per
-    # line and come back as stray '\r' in generated text.
-    return text.replace("\r\n", "\n")
+    # line and come back as stray '\r' in generated text. Looking for a '\r' first is 5x cheaper
+    # than replace's search for the pair, which costs ~2% of tokenizing where there is none.
+    return text.replace("\r\n", "\n") if "\r" in text else text
 
 
 def _fast_json_loads():

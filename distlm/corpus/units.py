@@ -296,7 +296,8 @@ def hash_text_file(label: str, path: str, new_digest, block: int = 1 << 23) -> b
                     buf, first = (buf[3:] if buf.startswith(codecs.BOM_UTF8) else buf), False
                 # A '\r' at the end may pair with a '\n' in the next block: keep it for then.
                 held = b"\r" if data and buf.endswith(b"\r") else b""
-                digest.update((buf[:-1] if held else buf).replace(b"\r\n", b"\n"))
+                buf = buf[:-1] if held else buf
+                digest.update(buf.replace(b"\r\n", b"\n") if b"\r" in buf else buf)  # memchr, then the pair search
                 if not data:
                     return digest.digest()
     except OSError as e:
