@@ -12,7 +12,7 @@ _PUBLIC = {
     "Config": "distlm.config", "ConfigError": "distlm.config", "load_config": "distlm.config",
     "SamplingConfig": "distlm.model.generate", "generate_text": "distlm.model.generate",
     "GPT": "distlm.model.gpt", "Trainer": "distlm.train.trainer", "load_model": "distlm.model.load",
-    "prepare": "distlm.data.prepare",
+    "prepare": "distlm.corpus.prepare",
 }
 
 

@@ -50,7 +50,7 @@ def text_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def tiny_data(tmp_path_factory, text_dir) -> Path:
     """A small prepared data set (GPT-2 tokenizer), shared by the tests that train."""
-    from distlm.data.prepare import prepare
+    from distlm.corpus.prepare import prepare
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare([str(text_dir)], out, tokenizer="gpt2", val_fraction=0.2, seed=0, workers=1, progress=False)
     return out

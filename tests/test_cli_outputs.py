@@ -110,7 +110,7 @@ def test_predict_writes_into_the_run_folder(tmp_path, monkeypatch, capsys):
 def test_demo_run_has_samples_txt(tmp_path, text_dir, monkeypatch, capsys):
     """The demo's own samples (three prompts) land in RUN/samples.txt like a run's samples.
     The vendored corpus is swapped for the small test texts: what is checked is the run folder."""
-    import distlm.data.prepare as prep
+    import distlm.corpus.prepare as prep
     from distlm.cli.demo import demo
     real = prep.prepare
 

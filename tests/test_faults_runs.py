@@ -206,7 +206,7 @@ def test_kill_9_of_prepare_takes_its_tokenizer_workers_with_it(tmp_path):
 def test_eval_on_data_from_another_tokenizer_is_refused(tmp_path, tiny_data, text_dir, capsys):
     """A smaller vocabulary fits the model, so only the tokenizer's fingerprint tells them apart."""
     from distlm.cli import main
-    from distlm.data.prepare import prepare
+    from distlm.corpus.prepare import prepare
     other = tmp_path / "bpe"
     prepare([str(text_dir)], other, tokenizer="bpe:300", val_fraction=0.2, seed=0, workers=1, progress=False)
     assert main(["train", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64",

@@ -50,7 +50,7 @@ def book_data(tmp_path_factory) -> Path:
     """A few books' worth of sentences on a small BPE, enough for the demo's batch and a real
     validation loss (synthetic tokens have no validation split)."""
     from conftest import SAMPLE_TEXT
-    from distlm.data.prepare import prepare
+    from distlm.corpus.prepare import prepare
     text = tmp_path_factory.mktemp("books")
     for i, t in enumerate(SAMPLE_TEXT * 4):
         (text / f"doc{i:02d}.txt").write_text(t)

@@ -39,8 +39,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from distlm.corpus import prepare as prep  # noqa: E402
 from distlm.data import DataError, load_manifest, verify_shards  # noqa: E402
-from distlm.data import prepare as prep  # noqa: E402
 
 # `make test` runs a fixed sequence; DISTLM_FUZZ_EXAMPLES=20000 DISTLM_FUZZ_RANDOM=1 explores further.
 MAX_EXAMPLES = int(os.environ.get("DISTLM_FUZZ_EXAMPLES", "1500"))

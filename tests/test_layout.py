@@ -14,6 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # that goes upward is still a dependency).
 LAYERS = [
     ("distlm.io", "distlm.config", "distlm.data", "distlm.checkpoint", "distlm.device"),
+    ("distlm.corpus",),
     ("distlm.model",),
     ("distlm.report",),  # plots and samples, for the Trainer, the tasks and the command line
     ("distlm.parallel",),

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distlm.corpus import pool
+from distlm.corpus import prepare as prep
+from distlm.corpus.sources import read_token_file
 from distlm.data import DataError, load_manifest, verify_shards
-from distlm.data import prepare as prep
 from distlm.data import tokenizer as tkz
-from distlm.data.sources import read_token_file
 
 DOCS = [f"Document number {i}: " + "the quick brown fox jumps over the lazy dog. " * (3 + i % 4) + f"End {i}."
         for i in range(24)]
@@ -100,7 +101,7 @@ def test_big_corpora_read_twice_give_the_same_shards(tmp_path, monkeypatch, toke
 
 
 def test_spawned_workers_give_the_same_shards(tmp_path, monkeypatch):
-    monkeypatch.setattr(tkz, "START_METHOD", "spawn")
+    monkeypatch.setattr(pool, "START_METHOD", "spawn")
     monkeypatch.setattr(prep, "TASK_CHARS", 2000)
     src = write_docs(tmp_path / "in")
     a, b = run([src], tmp_path / "a"), run([src], tmp_path / "b", workers=2)

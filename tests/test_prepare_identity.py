@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from distlm.bench.prepare_speed import build_corpora
-from distlm.data import prepare as prep
+from distlm.corpus import prepare as prep
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "prepare_identity" / "digests.json"
 SHAPES = ["small-files", "jsonl", "huge"]
@@ -67,6 +67,31 @@ def test_output_is_byte_identical_to_the_recorded_one(corpora, workers, tmp_path
     want = json.loads(FIXTURE.read_text())["outputs"]
     got = {name: prepared(path, tmp_path / name, workers) for name, path in corpora.items()}
     assert got == want
+
+
+def _json_parsers():
+    import json
+    out = [pytest.param(None, id="json"),
+           pytest.param(lambda raw: json.loads(raw.decode("utf-8")), id="json-as-fast-parser")]
+    try:
+        import orjson
+        out.append(pytest.param(orjson.loads, id="orjson"))
+    except ImportError:
+        out.append(pytest.param(None, id="orjson", marks=pytest.mark.skip(reason="orjson not installed")))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("loads", _json_parsers())
+def test_jsonl_output_is_the_same_with_either_json_parser(corpora, workers, loads, tmp_path, monkeypatch):
+    """The JSONL shapes with json alone and with a fast parser (orjson where installed; forked
+    workers inherit the choice)."""
+    from distlm.corpus import formats
+    monkeypatch.setattr(formats, "_FAST_LOADS", loads)
+    monkeypatch.setattr(prep, "TASK_CHARS", TASK)
+    want = json.loads(FIXTURE.read_text())["outputs"]
+    for name in ("jsonl", "huge-jsonl"):
+        assert prepared(corpora[name], tmp_path / name, workers) == want[name], name
 
 
 def test_default_task_size_gives_the_same_bytes(corpora, tmp_path):

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distlm.corpus import prepare as prep
+from distlm.corpus import sources
 from distlm.data import DataError, load_manifest, verify_shards
-from distlm.data import prepare as prep
-from distlm.data import sources
 from distlm.data import tokenizer as tkz
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,7 +227,7 @@ def write_corpus(folder: Path, n_files: int, docs_per_file: int, seed: int = 0) 
 def test_kill_9_then_resume_gives_the_bytes_of_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
     src = write_corpus(tmp_path / "in", 24, 40)  # ~6 MB: about half a second of tokenizing per worker
     out = tmp_path / "out"
-    code = ("import sys; import distlm.data.prepare as p; p.TASK_CHARS = 1 << 18; p.JOURNAL_SECONDS = 0; "
+    code = ("import sys; import distlm.corpus.prepare as p; p.TASK_CHARS = 1 << 18; p.JOURNAL_SECONDS = 0; "
             "p.prepare([sys.argv[1]], sys.argv[2], workers=1, progress=False, shard_tokens=150_000)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
-from distlm.data import prepare as prep
-from distlm.data import units
+from distlm.corpus import prepare as prep
+from distlm.corpus import units
 
 TRICKY = [b"", b"\r", b"\r\n", b"\xef\xbb\xbf", b"\xef\xbb\xbfa\r\nb", b"a\r", b"a\r\r\n\r\nb\r",
           "caf\u00e9 \u4e2d\u6587 \U0001f600\r\n".encode() * 7, b"ok \xff bad \xc3", b"\xed\xa0\x80 surrogate",
@@ -64,8 +64,7 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     import contextlib
     from concurrent.futures import Future
 
-    from distlm.data import prepare_build
-    from distlm.data import tokenizer as tkz
+    from distlm.corpus import build, pool
     monkeypatch.setattr(prep, "TASK_CHARS", 2000)
     doc = tmp_path / "book.txt"
     doc.write_text(" ".join(f"word{i}" for i in range(16000)))
@@ -83,7 +82,7 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
                 self.set_result(self.compute())
             return super().result()
 
-    class Recording(tkz._Inline):
+    class Recording(pool._Inline):
         hash_later = True
 
         def run(self, fn, *args):
@@ -96,7 +95,7 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     def executor(workers, tok):
         yield Recording(tok)
 
-    real_result = prepare_build._result
+    real_result = build._result
 
     def result(future):
         got = real_result(future)
@@ -104,8 +103,8 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
             at_hash.append(len(submitted))
         return got
 
-    monkeypatch.setattr(prepare_build.tkz, "open_executor", executor)
-    monkeypatch.setattr(prepare_build, "_result", result)
+    monkeypatch.setattr(build.workers_pool, "open_executor", executor)
+    monkeypatch.setattr(build, "_result", result)
     two = prep.prepare([str(doc)], tmp_path / "two", workers=2, progress=False)
     pieces = submitted.count("piece")
     assert pieces >= 70 and at_hash == [pieces + 1]
@@ -121,6 +120,87 @@ def test_pieces_are_handed_out_while_their_hash_runs(tmp_path, monkeypatch):
     for name in ("train", "val"):
         assert [s["sha256"] for s in two["splits"][name]["shards"]] == \
                [s["sha256"] for s in one["splits"][name]["shards"]]
+
+
+# JSONL lines where a fast parser could differ from json: duplicate keys, escapes, surrogates (paired
+# and lone), invalid UTF-8, NaN, huge integers, null and non-string texts, other fields, a BOM, blanks.
+JSONL_LINES = [b'{"text": "plain"}', b'{"text": "a", "text": "b", "id": 3}', b'{"t\\u0065xt": "escaped key"}',
+               b'{"text": "caf\\u00e9 \\ud83d\\ude00 \\u0000 tab\\t"}', b'{"text": "lone \\ud800 high"}',
+               b'{"text": "bad \xff byte"}', b'{"text": "caf\xc3\xa9 raw"}', b'{"text": null}', b'   ',
+               b'{"meta": {"a": [1, 2.5, NaN, 1e400]}, "text": "with NaN"}', b'{"n": 123456789012345678901234567890, "text": "big"}',
+               b'{"text": "ok"} \r', b'{"text": "\\ud800\\udc00 pair"}', b'\xef\xbb\xbf{"text": "bom"}']
+JSONL_BAD = [b'{"text": 123456789012345678901234567890}', b'{"text": 5}', b'{"body": "x"}', b'[1, 2]', b'{"text": "x"} junk',
+             b'{"text": "a\tb"}', b'\xef\xbb\xbf{"text": "bom"}']
+
+
+def jsonl_read(lines: list[bytes], loads) -> tuple:
+    """The documents, statistics and error of reading ``lines`` as one JSONL file with ``loads``
+    as the fast parser (None: json alone)."""
+    import io
+
+    from distlm.corpus import formats
+    saved, formats._FAST_LOADS = formats._FAST_LOADS, loads
+    stats = formats.SourceStats()
+    docs, error = [], None
+    try:
+        docs = list(formats._jsonl_docs("f.jsonl", io.BytesIO(b"\n".join(lines) + b"\n"), "text", stats))
+    except formats.DataError as e:
+        error = str(e)
+    finally:
+        formats._FAST_LOADS = saved
+    return docs, stats.as_dict(), error
+
+
+def _loaders():
+    import json
+    counted = []
+
+    def json_on_bytes(raw):  # the fast path's contract (bytes in, ValueError out), run by json
+        counted.append(raw)
+        return json.loads(raw.decode("utf-8"))  # strict: UnicodeDecodeError is a ValueError
+
+    out = [pytest.param((json_on_bytes, counted), id="json-as-fast-parser")]
+    try:
+        import orjson
+        out.append(pytest.param((orjson.loads, None), id="orjson"))
+    except ImportError:
+        out.append(pytest.param(None, id="orjson", marks=pytest.mark.skip(reason="orjson not installed")))
+    return out
+
+
+@pytest.mark.parametrize("loader", _loaders())
+def test_a_fast_json_parser_reads_jsonl_as_json_does(loader):
+    """With a fast parser (orjson where installed) every line gives what json alone gives: the
+    same documents, replacement counts and error messages; the fast parser reads the lines it can."""
+    loads, counted = loader
+    good = [line for line in JSONL_LINES if not line.startswith(b"\xef")]
+    assert jsonl_read(good, loads) == jsonl_read(good, None)
+    assert jsonl_read(good, None)[0][2] == ("f.jsonl:3", "escaped key")
+    if counted is not None:
+        assert len(counted) == len([line for line in good if line.strip()])
+    for bad in JSONL_BAD:
+        lines = [b'{"text": "first"}', bad]
+        want = jsonl_read(lines, None)
+        assert want[2] is not None and want[2].startswith("f.jsonl:2: ")
+        assert jsonl_read(lines, loads) == want
+
+
+@pytest.mark.skipif(__import__("sys").platform != "linux", reason="workers are forked on Linux only")
+def test_forked_workers_inherit_what_encoding_imports():
+    """numpy (encoding to shard bytes imports it on first use) is loaded in the parent before the
+    fork, so no worker pays for importing it again; in a fresh process, where nothing loaded it."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from distlm.corpus import pool\n"
+            "from distlm.data.tokenizer import gpt2\n"
+            "def loaded(tok):\n"
+            "    return 'numpy' in sys.modules\n"
+            "with pool.open_executor(2, gpt2()) as ex:\n"
+            "    print('before-first-task', ex.run(loaded).result())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "before-first-task True" in out.stdout
 
 
 def test_benchmark_writes_its_table(tmp_path, monkeypatch):
@@ -140,3 +220,30 @@ def test_benchmark_writes_its_table(tmp_path, monkeypatch):
     assert all(r["identical"] == "yes" and float(r["mb_s"]) > 0 and float(r["ratio"]) > 0 for r in rows)
     assert "| small-files | 1 |" in (tmp_path / "out" / "prepare_speed.md").read_text()
     assert not (tmp_path / "out" / "corpora").exists()  # GBs of corpora stay in --work
+
+
+def test_benchmark_sizes_each_run_by_its_workers(tmp_path, monkeypatch):
+    """--mb-per-worker: the run with N workers reads N times as much (a prefix of the 1 MiB files,
+    or a one-file corpus of that size), the reference is taken before every run and after the last,
+    and "same bytes" compares nothing."""
+    import csv
+
+    from distlm.bench import prepare_speed
+    monkeypatch.setattr(prepare_speed, "CEILING_SECONDS", 0.3)
+    monkeypatch.setattr(prepare_speed, "REFERENCE_SAMPLE", 1 << 17)
+    passes = []
+    real = prepare_speed.reference_rate
+    monkeypatch.setattr(prepare_speed, "reference_rate", lambda pieces: passes.append(1) or real(pieces))
+    work = tmp_path / "work"
+    assert prepare_speed.main(["--shapes", "small-files,huge", "--mb-per-worker", "1", "--workers", "1,2",
+                               "--out", str(tmp_path / "out"), "--work", str(work)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "out" / "prepare_speed.csv")))
+    assert [(r["shape"], r["workers"]) for r in rows] == [(s, w) for s in ("small-files", "huge-txt", "huge-jsonl")
+                                                          for w in ("1", "2")]
+    size = {(r["shape"], r["workers"]): float(r["input_mb"]) for r in rows}
+    for shape in ("small-files", "huge-txt", "huge-jsonl"):
+        assert 1.8 < size[shape, "2"] / size[shape, "1"] < 2.2, (shape, size)
+    assert all(r["identical"] == "n/a" and float(r["ratio"]) > 0 for r in rows)
+    assert len(passes) == 3 * 3  # each shape: before each of its 2 runs, and once after
+    assert (work / "corpora" / "huge-txt-1MiB" / "00000.txt").stat().st_size >= 1 << 20
+    assert "--mb-per-worker 1" in (tmp_path / "out" / "prepare_speed.md").read_text()

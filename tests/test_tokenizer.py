@@ -173,19 +173,11 @@ def test_split_for_encoding_leaves_unsplittable_text_whole():
     assert list(tkz.split_for_encoding("", 10)) == []
 
 
-def test_encode_task_groups_runs_and_appends_eos():
-    tok = tkz.gpt2()
-    runs = tkz.encode_task(tok, [(0, "Hello", False), (0, " world", True), (3, "Hello", True)])
-    assert [(doc, len(data)) for doc, data in runs] == [(0, 6), (3, 4)]
-    import numpy as np
-    assert np.frombuffer(runs[0][1], "<u2").tolist() == [15496, 995, 50256]
-
-
 def test_large_vocabularies_pack_uint32():
     import numpy as np
     tkz.gpt2().encoding  # noqa: B018 - built before the copy below claims another size
     tok = object.__new__(tkz.GPT2Tokenizer)
     tok.__dict__.update(tkz.gpt2().__dict__, vocab_size=70000)  # as a bpe:N above 65536 tokens would be
     assert tok.dtype == "uint32"
-    (doc, data), = tkz.encode_task(tok, [(7, "Hello world", True)])
-    assert doc == 7 and np.frombuffer(data, "<u4").tolist() == [15496, 995, 50256]
+    data, = tok.encode_packed(["Hello world"])
+    assert np.frombuffer(data, "<u4").tolist() == [15496, 995]

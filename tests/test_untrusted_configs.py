@@ -249,7 +249,7 @@ def test_an_absurd_mixture_weight_is_refused_without_computing_it(monkeypatch):
 
 
 def test_a_symbolic_link_loop_among_the_inputs_is_one_error(tmp_path):
-    from distlm.data.sources import resolve_inputs
+    from distlm.corpus.sources import resolve_inputs
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "a.txt").write_text("some text")
@@ -297,7 +297,7 @@ def test_the_data_folders_tokenizer_is_checked_against_its_manifest(text_dir, tm
     """Training loads the tokenizer beside the data; two ids swapped in its tokenizer.json keep
     the vocabulary size, so only the manifest's fingerprint tells the data was tokenized with
     another mapping than the one samples would be decoded with."""
-    from distlm.data.prepare import prepare
+    from distlm.corpus.prepare import prepare
     from distlm.tasks.lm import LMTask
     data = tmp_path / "data"
     prepare([str(text_dir)], data, tokenizer="bpe:300", val_fraction=0.1, workers=1, progress=False)

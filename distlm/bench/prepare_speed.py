@@ -1,31 +1,46 @@
 """`prepare` speed on three corpus shapes, as a ratio to the tokenizer's own speed.
 
-    python -m distlm.bench.prepare_speed --shapes small-files,jsonl,huge --size-mb 200 \
+    python -m distlm.bench.prepare_speed --shapes small-files,jsonl,huge --mb-per-worker 40 \
         --workers 1,4,8,16 --out /tmp/prepare-speed [--work /tmp/prepare-corpora]
+    python -m distlm.bench.prepare_speed ... --size-mb 200    (one corpus size for every worker count)
 
 ``--out`` receives only the tables (prepare_speed.md, .csv); the corpora go to ``--work``.
 
 An absolute MB/s says little about a machine we do not control; the ratio to what one
 process doing nothing but ``encode_ordinary`` reaches on the same documents, on the same
-machine, in the same run, does. For each shape this builds a corpus of ``--size-mb`` MB
-from the bundled Gutenberg texts (and the ``*.txt`` files under each ``--source`` folder),
-measures that reference rate, then runs ``prepare`` once per worker count, each in a fresh
-process (so each run's peak RSS is its own), and reports:
+machine, in the same run, does. For each shape this builds a corpus from the bundled
+Gutenberg texts (and the ``*.txt`` files under each ``--source`` folder), then runs
+``prepare`` once per worker count, each in a fresh process (so each run's peak RSS is its
+own), and measures the reference rate again just before each run and once after the last.
+
+Corpus size: ``--size-mb`` MB for every worker count, or ``--mb-per-worker`` M: N x M MB for
+N workers (a prefix of the files; for the one-file shapes a file of that size), so that every
+run lasts about as long and the runs with many workers are not too short to measure (starting
+the workers and the last wave of tasks weigh at a few seconds). Rows of different sizes are
+different corpora: "same bytes" then compares nothing and says "n/a".
+
+The reference of a shape is the median of its passes (each ``REFERENCE_SAMPLE`` text bytes,
+about a second): one process's speed moves by tens of percent within a run on a shared or
+virtual machine (clock, neighbours), and a single pass taken at another moment than the runs
+made the ratios move as much. "ref spread" gives (max - min) / median of the passes.
+
+The table has:
 
 - MB/s: input bytes on disk / wall time of the ``prepare()`` call (from the first read to the
   renamed output folder; imports excluded, starting the worker processes included);
 - ratio: (UTF-8 text bytes / wall) / (N x reference text bytes/s), N the worker count;
 - ratio to the N-process reference: the same rate over what N processes doing nothing but
-  ``encode_ordinary`` reach together (measured once per N, for 4 s): what the machine's cores
-  give at once, where logical CPUs share physical cores or clocks drop under load;
+  ``encode_ordinary`` reach together (measured for each N at the start and at the end, 3 s each,
+  the mean): what the machine's cores give at once, where logical CPUs share physical cores or
+  clocks drop under load;
 - CPU ratio: the reference's CPU seconds per text byte over ``prepare``'s (parent and workers
   together): the work ``prepare`` adds to tokenizing, whatever else the machine runs;
 - parent CPU s/MB: the ``prepare`` process's own user+system time per input MB;
 - peak RSS of the parent (VmHWM) and of its largest worker (getrusage); both count the pages
   a forked worker shares with its parent.
 
-Every run's output folder is checked to be byte-identical across worker counts (the sha256 of
-each shard, as the manifest lists them).
+With ``--size-mb``, every run's output folder is checked to be byte-identical across worker
+counts (the sha256 of each shard, as the manifest lists them).
 
 Shapes (each ``--size-mb`` MB):
 
@@ -44,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
 import os
@@ -51,6 +67,7 @@ import random
 import re
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -64,11 +81,11 @@ SMALL_FILE_BYTES = 1 << 20
 JSONL_FILE_BYTES = 16 << 20
 DOC_PARAGRAPHS = 20
 POOL_DOCS = 4096
-REFERENCE_SAMPLE = 16 << 20  # text bytes encoded for the reference rate (or the whole corpus if smaller)
-CEILING_SECONDS = 4.0  # how long the N processes of the N-process reference encode
+REFERENCE_SAMPLE = 8 << 20  # text bytes a reference pass encodes (or the whole corpus if smaller)
+CEILING_SECONDS = 3.0  # how long the N processes of the N-process reference encode, each time
 COLUMNS = ("shape", "workers", "input_mb", "wall_s", "mb_s", "ratio", "ceiling_ratio", "cpu_ratio",
            "parent_cpu_s_per_mb",
-           "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "identical")
+           "parent_rss_mb", "worker_rss_mb", "reference_mb_s", "reference_spread", "identical")
 
 
 def paragraphs(sources: list[Path]) -> list[str]:
@@ -173,13 +190,55 @@ def _write_parquet(folder: Path, jsonl: Path) -> str:
     return str(folder)
 
 
-def sample_pieces(path: str, sample: int = REFERENCE_SAMPLE) -> list[str]:
-    """The first ``sample`` text bytes of ``path``'s documents, in the pieces ``prepare`` feeds
-    the tokenizer (tokenizer.split_for_encoding)."""
+def sized_inputs(corpora: dict, sizes_mb: list[float], folder: Path, sources: list[Path], seed: int = 0) -> dict:
+    """{row: {size: [input paths]}} for each size (MiB) of ``sizes_mb`` from ``build_corpora``'s
+    rows at the largest size: the folders' first files up to that size (Parquet: as many files as
+    the JSONL rows take, the same documents), and for the one-file rows a file of that size, written
+    here once (the same documents as the largest file's beginning)."""
+    out: dict = {}
+    files = {name: sorted(Path(path).iterdir()) for name, path in corpora.items() if Path(path).is_dir()}
+    for name, path in corpora.items():
+        out[name] = {}
+        for mb in sizes_mb:
+            target = int(mb * (1 << 20))
+            if name in files:
+                base = "jsonl" if name == "parquet" and "jsonl" in files else name
+                total, take = 0, 0
+                for f in files[base]:
+                    if total >= target:
+                        break
+                    total, take = total + f.stat().st_size, take + 1
+                out[name][mb] = [str(f) for f in files[name][:take]]
+            elif mb == max(sizes_mb):
+                out[name][mb] = [path]
+            else:
+                out[name][mb] = [_sized_file(Path(path), target, folder / f"{name}-{mb:g}MiB", sources, seed)]
+    return out
+
+
+def _sized_file(big: Path, size: int, folder: Path, sources: list[Path], seed: int) -> str:
+    """``big``'s first ``size`` bytes' worth of documents as a file of its own (kept for the next run)."""
+    path, stamp = folder / big.name, json.dumps({"sources": [str(s) for s in sources], "seed": seed, "size": size})
+    if path.is_file() and (folder / "key.json").is_file() and (folder / "key.json").read_text() == stamp:
+        return str(path)
+    shutil.rmtree(folder, ignore_errors=True)
+    _write_files(folder, _Documents(_paragraphs_cached(tuple(sources)), seed), size, size, big.suffix)
+    (folder / "key.json").write_text(stamp)
+    return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _paragraphs_cached(sources: tuple) -> list[str]:
+    return paragraphs(list(sources))
+
+
+def sample_pieces(inputs: str | list[str], sample: int = REFERENCE_SAMPLE) -> list[str]:
+    """The first ``sample`` text bytes of the documents of ``inputs`` (a path or a list), in the
+    pieces ``prepare`` feeds the tokenizer (tokenizer.split_for_encoding)."""
+    from distlm.corpus.sources import iter_documents
     from distlm.data import tokenizer as tkz
-    from distlm.data.sources import iter_documents
     tok, pieces, n = tkz.gpt2(), [], 0
-    for _, text in iter_documents([path]):
+    for _, text in iter_documents([inputs] if isinstance(inputs, str) else list(inputs)):
         for piece in tkz.split_for_encoding(text, tok.chunk_chars):
             pieces.append(piece)
             n += len(piece.encode("utf-8"))
@@ -188,10 +247,10 @@ def sample_pieces(path: str, sample: int = REFERENCE_SAMPLE) -> list[str]:
     return pieces
 
 
-def reference_rate(pieces: list[str], repeats: int = 2) -> tuple[float, float]:
+def reference_rate(pieces: list[str], repeats: int = 1) -> tuple[float, float]:
     """Text bytes per second of this one process doing nothing but ``encode_ordinary`` (GPT-2)
     on ``pieces``, already in memory: per wall second and per CPU second, each the best of
-    ``repeats`` passes (the machine may be shared)."""
+    ``repeats`` passes."""
     from distlm.data import tokenizer as tkz
     enc, n = tkz.gpt2().encoding, sum(len(p.encode("utf-8")) for p in pieces)
     wall = cpu = float("inf")
@@ -232,13 +291,14 @@ def parallel_reference(pieces: list[str], processes: int, seconds: float | None 
     return total
 
 
-def measure_one(path: str, workers: int, out: str) -> dict:
+def measure_one(inputs: str | list[str], workers: int, out: str) -> dict:
     """One ``prepare`` run in this (fresh) process: wall, CPU, peak RSS, output digest."""
-    from distlm.data.prepare import prepare
+    from distlm.corpus.prepare import prepare
     shutil.rmtree(out, ignore_errors=True)
     self0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    manifest = prepare([path], Path(out), workers=workers, progress=False)
+    manifest = prepare([inputs] if isinstance(inputs, str) else list(inputs), Path(out), workers=workers,
+                       progress=False)
     wall = time.perf_counter() - t0
     self1 = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -262,28 +322,28 @@ def _peak_rss_mb(usage) -> float:
         return usage.ru_maxrss / 1024
 
 
-def _run_in_fresh_process(path: str, workers: int, out: Path) -> dict:
+def _run_in_fresh_process(inputs: list[str], workers: int, out: Path) -> dict:
     code = ("import json, sys; from distlm.bench.prepare_speed import measure_one; "
-            "print('RESULT ' + json.dumps(measure_one(sys.argv[1], int(sys.argv[2]), sys.argv[3])))")
+            "print('RESULT ' + json.dumps(measure_one(json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                         *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", code, path, str(workers), str(out)], env=env,
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(inputs), str(workers), str(out)], env=env,
                           capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise SystemExit(f"prepare of {path} with {workers} workers failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"prepare of {inputs[0]}... with {workers} workers failed:\n{proc.stderr[-2000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| shape | workers | input MB | wall s | MB/s | ratio to N x ref | ratio to N-process ref | CPU ratio | "
-            "parent CPU s/MB | parent RSS MB | worker RSS MB | ref MB/s (1 process) | same bytes |")
-    lines = [head, "|" + "---|" * 13]
+            "parent CPU s/MB | parent RSS MB | worker RSS MB | ref MB/s (1 process) | ref spread | same bytes |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['workers']} | {r['input_mb']:.0f} | {r['wall_s']:.1f} | {r['mb_s']:.1f} | "
                      f"{r['ratio']:.2f} | {r['ceiling_ratio']:.2f} | {r['cpu_ratio']:.2f} | "
                      f"{r['parent_cpu_s_per_mb']:.4f} | {r['parent_rss_mb']:.0f} | {r['worker_rss_mb']:.0f} | "
-                     f"{r['reference_mb_s']:.1f} | {r['identical']} |")
+                     f"{r['reference_mb_s']:.1f} | {r['reference_spread']:.0%} | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -294,16 +354,25 @@ def machine() -> str:
     cores = {(open(f"{d}/physical_package_id").read().strip(), open(f"{d}/core_id").read().strip())
              for d in map(str, Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"))
              if os.path.exists(f"{d}/core_id")}
+    try:
+        import orjson
+        json_parser = f"orjson {orjson.__version__}"
+    except ImportError:
+        json_parser = "no orjson (JSONL through json)"
     return (f"{os.cpu_count()} logical CPUs on {len(cores) or '?'} physical cores ({cpu}), "
-            f"python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
+            f"python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, {json_parser}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_speed", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
-    ap.add_argument("--size-mb", type=float, default=200,
-                    help="MiB of input per corpus (2^20 bytes; the table counts MB of 10^6)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--size-mb", type=float, default=None,
+                      help="MiB of input per corpus (2^20 bytes; the table counts MB of 10^6), the same for every "
+                           "worker count (default 200 unless --mb-per-worker)")
+    size.add_argument("--mb-per-worker", type=float, default=None,
+                      help="N x this many MiB of input for the run with N workers: each run lasts about as long")
     ap.add_argument("--workers", default="1,4,8,16", help="worker counts (capped to the cores)")
     ap.add_argument("--out", type=Path, required=True, help="folder for the tables")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "distlm-prepare-speed",
@@ -320,21 +389,32 @@ def main(argv: list[str] | None = None) -> int:
     print(machine(), flush=True)
     t0 = time.perf_counter()
     work = args.work
-    corpora = build_corpora(shapes, args.size_mb, work / "corpora", args.source, args.seed)
+    sizes = {w: (args.mb_per_worker * w if args.mb_per_worker else args.size_mb or 200.0) for w in counts}
+    corpora = build_corpora(shapes, max(sizes.values()), work / "corpora", args.source, args.seed)
+    inputs = sized_inputs(corpora, sorted(set(sizes.values())), work / "corpora", args.source, args.seed)
     print(f"corpora built in {time.perf_counter() - t0:.0f} s: {', '.join(corpora)}", flush=True)
-    rows, ceilings = [], {}
-    for name, path in corpora.items():
-        pieces = sample_pieces(path)
-        ref, ref_cpu = reference_rate(pieces)
+    measured, ceilings, last_pieces = [], {}, None
+    for name in corpora:
+        pieces = last_pieces = sample_pieces(inputs[name][sizes[counts[0]]])
         if not ceilings:  # the shapes share their paragraphs: the first one's documents stand for all
             ceilings = {w: parallel_reference(pieces, w) for w in counts}
-            print("tokenizer alone, N processes at once (MB/s): "
-                  + ", ".join(f"{w}: {c / 1e6:.1f} ({c / (w * ref):.2f} x N x 1 process)" for w, c in ceilings.items()),
-                  flush=True)
-        digests = set()
+        refs, runs = [], []
         for w in counts:
-            r = _run_in_fresh_process(path, w, work / "prepared")
-            digests.add(r["digest"])
+            refs.append(reference_rate(pieces))  # just before the run: the machine as the run finds it
+            runs.append((w, _run_in_fresh_process(inputs[name][sizes[w]], w, work / "prepared")))
+            print(f"  {name}, {w} workers: {runs[-1][1]['input_bytes'] / 1e6:.0f} MB in {runs[-1][1]['wall_s']:.1f} s; "
+                  f"the 1-process reference just before: {refs[-1][0] / 1e6:.2f} MB/s", flush=True)
+        refs.append(reference_rate(pieces))
+        measured.append((name, refs, runs))
+    if last_pieces is not None:  # the N-process reference again at the end; the mean of both
+        ceilings = {w: (c + parallel_reference(last_pieces, w)) / 2 for w, c in ceilings.items()}
+    rows = []
+    for name, refs, runs in measured:
+        ref, ref_cpu = statistics.median(r[0] for r in refs), statistics.median(r[1] for r in refs)
+        spread = (max(r[0] for r in refs) - min(r[0] for r in refs)) / ref
+        digests = {r["digest"] for _, r in runs}
+        same = "n/a" if len(set(sizes.values())) > 1 else "yes" if len(digests) == 1 else "NO"
+        for w, r in runs:
             mb = r["input_bytes"] / 1e6
             rows.append({"shape": name, "workers": w, "input_mb": mb, "wall_s": r["wall_s"],
                          "mb_s": mb / r["wall_s"], "ratio": r["text_bytes"] / r["wall_s"] / (w * ref),
@@ -342,16 +422,18 @@ def main(argv: list[str] | None = None) -> int:
                          "cpu_ratio": r["text_bytes"] / ref_cpu / (r["parent_cpu_s"] + r["workers_cpu_s"]),
                          "parent_cpu_s_per_mb": r["parent_cpu_s"] / mb, "parent_rss_mb": r["parent_rss_mb"],
                          "worker_rss_mb": r["worker_rss_mb"], "reference_mb_s": ref / 1e6,
-                         "identical": "yes" if len(digests) == 1 else "NO"})
-            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+                         "reference_spread": spread, "identical": same})
+    print("tokenizer alone, N processes at once (MB/s, mean of the start and the end): "
+          + ", ".join(f"{w}: {c / 1e6:.1f}" for w, c in ceilings.items()), flush=True)
     table = markdown(rows)
     print("\n" + table)
-    (args.out / "prepare_speed.md").write_text(f"{machine()}\n\n{table}")
+    command = "python -m distlm.bench.prepare_speed " + " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / "prepare_speed.md").write_text(f"{machine()}\n\n`{command}`\n\n{table}")
     with open(args.out / "prepare_speed.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
-    return 0 if all(r["identical"] == "yes" for r in rows) else 1
+    return 0 if all(r["identical"] != "NO" for r in rows) else 1
 
 
 if __name__ == "__main__":

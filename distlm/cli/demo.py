@@ -35,8 +35,8 @@ def demo(
     """
     import torch  # here, not at the top: the CLI's parser imports this module
 
-    from distlm.data.prepare import prepare
-    from distlm.data.sources import DEFAULT_CORPUS
+    from distlm.corpus.prepare import prepare
+    from distlm.corpus.sources import DEFAULT_CORPUS
     from distlm.data.tokenizer import load_tokenizer
     from distlm.model.generate import SamplingConfig, generate_text
     from distlm.report.samples import append_samples

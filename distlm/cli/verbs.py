@@ -59,7 +59,7 @@ def prepare(
     if merge and (inputs or shard or task != "lm"):
         raise DataError("--merge takes only the part folders and --out: no INPUT, --shard or --task")
     if merge:
-        from distlm.data.prepare import merge as merge_parts
+        from distlm.corpus.prepare import merge as merge_parts
         m = merge_parts(list(merge), Path(out), progress=not quiet)
         splits = m["splits"]
         print(f"merged {len(merge)} parts into {out}: train {splits['train']['tokens']:,} tokens, "
@@ -73,7 +73,7 @@ def prepare(
                          val_input=val_input, split_field=split_field or None, val_fraction=val_fraction, seed=seed,
                          tokenizer=tokenizer)
         return 0
-    from distlm.data.prepare import prepare as prepare_tokens
+    from distlm.corpus.prepare import prepare as prepare_tokens
     m = prepare_tokens(list(inputs), Path(out), tokenizer=tokenizer, val_fraction=val_fraction, seed=seed,
                        workers=workers, separator=separator, text_field=text_field, progress=not quiet, shard=shard)
     splits = m["splits"]

@@ -1,9 +1,10 @@
-"""Data: documents in (``prepare``), token shards plus ``manifest.json`` out.
+"""Data at run time: reading a prepared folder (token shards plus ``manifest.json``).
 
-This package itself holds only what readers of a prepared folder need (the error
-type and the manifest checks), in the standard library alone: the trainer imports
-it, and so does every tokenizer worker process. ``distlm.data.prepare``,
-``.tokenizer`` and ``.sources`` are imported on demand.
+The folder's format is defined here (the manifest, its checks, the shards' checksums), the
+tokenizers in ``tokenizer``, the batches in ``loader``, ``order`` and ``mixture``. Writing a
+folder is the pipeline's (``distlm.corpus``), which imports this package, never the reverse.
+This module itself is in the standard library alone: the trainer imports it, and so does
+every tokenizer worker process; ``.tokenizer`` and ``.loader`` are imported on demand.
 """
 from __future__ import annotations
 

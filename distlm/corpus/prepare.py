@@ -42,10 +42,10 @@ folder that has files but no manifest.json is never replaced.
 
 This module holds the public entry points and their option checks; the rest is split by idea:
 ``split`` (the hash rule and fallbacks), ``shards`` (shard writing and rerouting),
-``prepare_folder`` (fingerprint, manifest, swap-in), ``prepare_journal`` (resuming a killed run),
-``prepare_build`` (the parent's text pipeline), ``prepare_worker`` (a worker's unit),
-``prepare_bpe`` (training bpe:N), ``prepare_merge`` (checking and summing parts) and
-``prepare_bin`` (pre-tokenized .bin inputs).
+``folder`` (fingerprint, manifest, swap-in), ``journal`` (resuming a killed run),
+``build`` (the parent's text pipeline), ``pool`` (the tokenizer processes), ``worker`` (a worker's
+unit), ``bpe`` (training bpe:N), ``merge`` (checking and summing parts) and ``bin_inputs``
+(pre-tokenized .bin inputs).
 """
 from __future__ import annotations
 
@@ -56,19 +56,19 @@ import re
 import shutil
 from pathlib import Path
 
+from distlm.corpus.bin_inputs import prepare_bin_folder
+from distlm.corpus.build import prepare_text
+from distlm.corpus.folder import check_out_dir, inputs_fingerprint, swap_in, write_manifest
+from distlm.corpus.journal import JOURNAL, adopt, recover_stale
+from distlm.corpus.journal import Journal as _Journal  # noqa: F401 (tests patch it here)
+from distlm.corpus.merge import feed_checked, load_parts, part_totals
+from distlm.corpus.shards import Router, ShardWriter
+from distlm.corpus.shards import ShardWriter as _ShardWriter  # noqa: F401 (tests patch it here)
+from distlm.corpus.sources import input_files, plan_units, pretokenized_inputs, resolve_inputs, source_files
+from distlm.corpus.split import SPLITS, TRAIN, VAL, fallback
 from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
                          same_tokenizer, shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
-from distlm.data.prepare_bin import prepare_bin_folder
-from distlm.data.prepare_build import prepare_text
-from distlm.data.prepare_folder import check_out_dir, inputs_fingerprint, swap_in, write_manifest
-from distlm.data.prepare_journal import JOURNAL, adopt, recover_stale
-from distlm.data.prepare_journal import Journal as _Journal  # noqa: F401 (tests patch it here)
-from distlm.data.prepare_merge import feed_checked, load_parts, part_totals
-from distlm.data.shards import Router, ShardWriter
-from distlm.data.shards import ShardWriter as _ShardWriter  # noqa: F401 (tests patch it here)
-from distlm.data.sources import input_files, plan_units, pretokenized_inputs, resolve_inputs, source_files
-from distlm.data.split import SPLITS, TRAIN, VAL, fallback
 
 # Settings read at call time from this module (tests and tools set them here).
 CACHE_CHARS = 256 << 20  # bpe:N: corpora up to this size are read once to train it; bigger ones twice
@@ -90,7 +90,7 @@ JOURNAL_SECONDS = 1.0
 def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fraction: float = 0.05,
             seed: int = 0, workers: int | None = None, separator: str | None = None, text_field: str = "text",
             shard_tokens: int = 100_000_000, progress: bool = True, shard: str | tuple[int, int] | None = None) -> dict:
-    """Tokenize ``inputs`` (see ``distlm.data.sources``) into ``out_dir``; returns the manifest.
+    """Tokenize ``inputs`` (see ``distlm.corpus.sources``) into ``out_dir``; returns the manifest.
 
     ``tokenizer``: "gpt2" or "bpe:N" (trained here on the train documents).
     ``workers``: tokenizer processes; default all cores, or 1 below 1 MB of input.

@@ -9,12 +9,12 @@ import os
 import shutil
 from pathlib import Path
 
+from distlm.corpus.folder import inputs_fingerprint, swap_in, tokenizer_info, write_manifest
+from distlm.corpus.shards import ShardWriter
+from distlm.corpus.sources import read_token_file
+from distlm.corpus.split import SPLITS
 from distlm.data import MANIFEST, DataError, read_json, shards_present
 from distlm.data import tokenizer as tkz
-from distlm.data.prepare_folder import inputs_fingerprint, swap_in, tokenizer_info, write_manifest
-from distlm.data.shards import ShardWriter
-from distlm.data.sources import read_token_file
-from distlm.data.split import SPLITS
 
 
 def prepare_bin_folder(pretok: tuple[list[Path], list[Path]], out_dir: Path, options: dict) -> dict:

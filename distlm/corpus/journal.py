@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from distlm.data.split import TRAIN, VAL
+from distlm.corpus.split import TRAIN, VAL
 
 JOURNAL = "journal.jsonl"
 
@@ -94,7 +94,7 @@ def _alive(pid: int) -> bool:
 
 class Journal:
     """``journal.jsonl`` in the temporary folder: a header line (inputs, options and plan),
-    then a line after a finished unit (``prepare_build._Build.record``) every ``prepare.JOURNAL_SECONDS`` or so, each
+    then a line after a finished unit (``build._Build.record``) every ``prepare.JOURNAL_SECONDS`` or so, each
     describing everything up to that unit. A line goes out in one write, after
     the shard bytes it describes were synced, and is synced itself: a kill at any moment
     leaves a valid prefix, and a torn last line is dropped when the journal is read."""

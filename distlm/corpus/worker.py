@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import os
 
+from distlm.corpus.sources import SourceStats, Unit, read_range, unit_documents
+from distlm.corpus.split import SPLITS, TRAIN, VAL, seed_key, split_key
+from distlm.corpus.units import hash_text_file
 from distlm.data import tokenizer as tkz
-from distlm.data.sources import SourceStats, Unit, read_range, unit_documents
-from distlm.data.split import SPLITS, TRAIN, VAL, seed_key, split_key
-from distlm.data.units import hash_text_file
 
 
 def encode_unit(tok: tkz.Tokenizer, k: int, unit: Unit, options: dict, folder: str) -> dict:

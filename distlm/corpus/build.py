@@ -1,6 +1,6 @@
 """The parent's side of a text ``prepare``: tokenizer, workers, and the shards in unit order.
 
-The parent hands units to the worker processes (``prepare_worker``), appends their token
+The parent hands units to the worker processes (``worker``), appends their token
 files to the shards in unit order, journals its state for resuming, and at the end applies
 the fallbacks that need the whole corpus.
 """
@@ -11,15 +11,16 @@ import time
 from collections import deque
 from pathlib import Path
 
+from distlm.corpus import pool as workers_pool
+from distlm.corpus.bpe import train_bpe
+from distlm.corpus.folder import tokenizer_info
+from distlm.corpus.journal import JOURNAL, Journal
+from distlm.corpus.shards import COPY_BLOCK, ShardWriter, reroute
+from distlm.corpus.sources import RANGE_KINDS, SourceStats, Unit
+from distlm.corpus.split import SPLITS, TRAIN, VAL, fallback
+from distlm.corpus.worker import encode_unit
 from distlm.data import DataError
 from distlm.data import tokenizer as tkz
-from distlm.data.prepare_bpe import train_bpe
-from distlm.data.prepare_folder import tokenizer_info
-from distlm.data.prepare_journal import JOURNAL, Journal
-from distlm.data.prepare_worker import encode_unit
-from distlm.data.shards import COPY_BLOCK, ShardWriter, reroute
-from distlm.data.sources import RANGE_KINDS, SourceStats, Unit
-from distlm.data.split import SPLITS, TRAIN, VAL, fallback
 
 UNITS = "units"
 
@@ -50,7 +51,7 @@ def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, uni
         (tmp / UNITS).mkdir(exist_ok=True)
         with tqdm(total=sum(u.size for u in units[start:]), unit="B", unit_scale=True,
                   desc=f"tokenizing ({name})", disable=None if progress else True) as bar, \
-                tkz.open_executor(workers, tok) as pool:
+                workers_pool.open_executor(workers, tok) as pool:
             _run_units(pool, units, start, build, journal, tmp / UNITS, options, ahead_bytes, bar, journal_seconds)
         shutil.rmtree(tmp / UNITS)
         if part is None and sum(build.docs) == 0:

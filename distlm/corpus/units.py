@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from distlm.data import DataError
-from distlm.data.formats import (BINARY_PROBE, TAR_SUFFIXES, SourceStats, _file_docs, _hf_arrow_docs, _jsonl_docs,
+from distlm.corpus.formats import (BINARY_PROBE, TAR_SUFFIXES, SourceStats, _file_docs, _hf_arrow_docs, _jsonl_docs,
                                  _parquet_docs, decode_text, split_documents)
+from distlm.data import DataError
 
 UNIT_KINDS = ("files", "lines", "split", "rows", "piece", "hash")
 RANGE_KINDS = ("lines", "split", "rows", "piece")  # a part of one file
@@ -296,7 +296,8 @@ def hash_text_file(label: str, path: str, new_digest, block: int = 1 << 23) -> b
                     buf, first = (buf[3:] if buf.startswith(codecs.BOM_UTF8) else buf), False
                 # A '\r' at the end may pair with a '\n' in the next block: keep it for then.
                 held = b"\r" if data and buf.endswith(b"\r") else b""
-                digest.update((buf[:-1] if held else buf).replace(b"\r\n", b"\n"))
+                buf = buf[:-1] if held else buf
+                digest.update(buf.replace(b"\r\n", b"\n") if b"\r" in buf else buf)  # memchr, then the pair search
                 if not data:
                     return digest.digest()
     except OSError as e:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from distlm.corpus.shards import COPY_BLOCK, Router
+from distlm.corpus.sources import SourceStats
+from distlm.corpus.split import SPLITS, TRAIN, VAL
 from distlm.data import DataError, load_manifest, same_tokenizer, shards_present
-from distlm.data.shards import COPY_BLOCK, Router
-from distlm.data.sources import SourceStats
-from distlm.data.split import SPLITS, TRAIN, VAL
 
 
 def load_parts(paths: list[Path]) -> list[tuple[Path, dict]]:

@@ -1,7 +1,7 @@
 """Pre-tokenized nanoGPT/llm.c ``.bin`` inputs: already tokens, not documents.
 
 Apart from ``sources`` and ``formats`` because nothing here is read as text: such
-inputs skip tokenizing and are copied into shards as they are (``prepare_bin``).
+inputs skip tokenizing and are copied into shards as they are (``bin_inputs``).
 """
 from __future__ import annotations
 

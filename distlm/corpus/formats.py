@@ -159,16 +159,53 @@ def decode_text(label: str, data: bytes, stats: SourceStats, head: bool = True) 
         stats.files_with_invalid_utf8 += 1
     text = text[1:] if head and text.startswith("\ufeff") else text
     # Windows line ends (the Gutenberg files have them) would otherwise cost a token per
-    # line and come back as stray '\r' in generated text.
-    return text.replace("\r\n", "\n")
+    # line and come back as stray '\r' in generated text. Looking for a '\r' first is 5x cheaper
+    # than replace's search for the pair, which costs ~2% of tokenizing where there is none.
+    return text.replace("\r\n", "\n") if "\r" in text else text
+
+
+def _fast_json_loads():
+    """orjson's ``loads`` where it is installed (the ``fast`` extra), else None.
+
+    It parses a line of JSONL two to three times faster than ``json`` (4.5 against 10.8 us for a
+    5 KB document on the 2-core box, 2026-11-27: 2% of tokenizing it). It is used only where it
+    cannot change the output: a line it parses into an object whose field is a string. orjson
+    refuses whatever ``json`` refuses, and more besides (invalid UTF-8, lone surrogates, NaN,
+    integers past 64 bits); those lines, and every one whose text is missing, null, not a string
+    or not encodable, go through ``json`` as before, which keeps its replacements, counts and messages."""
+    try:
+        import orjson
+    except ImportError:
+        return None
+    return orjson.loads
+
+
+_FAST_LOADS = _fast_json_loads()
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _jsonl_docs(label: str, fh: BinaryIO, field_name: str, stats: SourceStats,
                 first_line: int = 1) -> Iterator[tuple[str, str]]:
-    bad_utf8 = False
+    bad_utf8, fast = False, _FAST_LOADS
     for lineno, raw in enumerate(fh, first_line):
         if not raw.strip():
             continue
+        if fast is not None:
+            try:
+                record = fast(raw)
+            except ValueError:  # orjson.JSONDecodeError; json below says what is wrong, or reads it
+                record = None
+            if type(record) is dict and type(text := record.get(field_name)) is str and (
+                    b"\\u" not in raw or _encodable(text)):  # a lone surrogate: json's way below replaces it
+                yield f"{label}:{lineno}", text
+                continue
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -8,9 +8,9 @@ import functools
 import sys
 from pathlib import Path
 
+from distlm.corpus.sources import SourceStats, iter_documents
+from distlm.corpus.split import seed_key, split_key
 from distlm.data import tokenizer as tkz
-from distlm.data.sources import SourceStats, iter_documents
-from distlm.data.split import seed_key, split_key
 
 
 def train_bpe(inputs: list[str], out_dir: Path, options: dict, progress: bool, cache_chars: int) -> tkz.BPETokenizer:
