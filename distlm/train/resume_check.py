@@ -61,7 +61,7 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # Evaluation, checkpoints, resume itself.
         "eval_every", "eval_batches", "eval_compile", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
-        "device", "dtype", "compile", "compile_scope", "compile_mode", "memory_check",
+        "device", "dtype", "compile", "compile_scope", "compile_mode", "compile_cache", "memory_check",
         # Fault handling.
         "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s", "stop_check_every"),
     # Checkpoints are keyed by parameter names, whatever the layout (tested across layouts).
