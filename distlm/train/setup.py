@@ -5,6 +5,7 @@ Kept apart from the loop so eval, bench and export can build the same pieces.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Optional
 
 import torch
@@ -58,7 +59,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clo
     if cfg.train.compile:
         # torch.compile's first use imports the compiler (1.6 s on the 2-core box; more with
         # triton on a GPU machine): a lap of its own, so "model plan" is the plan alone.
-        import torch._inductor.compile_fx  # noqa: F401
+        importlib.import_module("torch._inductor.compile_fx")  # not `import torch...`: that binds a local torch
     lap("compiler import")
     with torch.device("meta"):
         inner = task.build_model(cfg)
