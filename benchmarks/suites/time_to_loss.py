@@ -214,10 +214,14 @@ def plan(args, ctx: Context) -> list[Step]:
         width = max(ctx.gpus, 1)
         single = [j for c in corpora for j in all_jobs[c] if j.nproc == 1]
         batches: list[list[Job]] = []
-        for job in single:
-            if not batches or len(batches[-1]) == width or any(j.name == job.cold_name for j in batches[-1]):
+        for job in single:  # the first batch with room, after the one holding its cold run (a +warm run)
+            after = next((i + 1 for i, b in enumerate(batches) if job.warm and any(j.name == job.cold_name for j in b)),
+                         0)
+            free = next((i for i in range(after, len(batches)) if len(batches[i]) < width), None)
+            if free is None:
                 batches.append([])
-            batches[-1].append(job)
+                free = len(batches) - 1
+            batches[free].append(job)
         for i, batch in enumerate(batches):
             steps.append(concurrent(batch, i) if len(batch) > 1 else sequential(batch[0]))
             together += [j.name for j in batch] if len(batch) > 1 else []
