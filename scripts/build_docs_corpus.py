@@ -1,6 +1,6 @@
 """A technical-documentation corpus from what this machine has installed, for `distlm prepare`.
 
-    python scripts/build_docs_corpus.py data/docs-text/docs.jsonl [--max-mb 60] [--packages numpy,torch,...]
+    python scripts/build_docs_corpus.py --out data/docs-text/docs.jsonl [--max-mb 60] [--packages numpy,torch,...]
     distlm prepare data/docs-text/docs.jsonl --out data/docs
 
 Text of another kind than the prose corpus (scripts/build_speedrun_corpus.py): the docstrings of
@@ -211,8 +211,8 @@ def build(out: Path, max_mb: float, packages: list[str], stdlib: Optional[Path],
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="build_docs_corpus.py", description=__doc__.strip().splitlines()[0])
-    p.add_argument("out", help="the JSONL file to write: what `distlm prepare` reads (give it the file: the list "
-                               "of sources beside it is not text to train on)")
+    p.add_argument("--out", required=True, help="the JSONL file to write: what `distlm prepare` reads (give it "
+                                                "the file: the list of sources beside it is not text to train on)")
     p.add_argument("--max-mb", type=float, default=60.0, help="megabytes of text at most (default 60: ~15M tokens)")
     p.add_argument("--packages", default=",".join(PACKAGES),
                    help=f"distributions to read, in order, from: {', '.join(PACKAGES)}")

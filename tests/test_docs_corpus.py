@@ -34,7 +34,7 @@ def test_module_document_reads_docstrings_without_running_the_module(tmp_path):
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(SCRIPT), "--out", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=600)
 
 

@@ -129,7 +129,7 @@ def corpus_step(corpus: str, args, ctx: Context, nanogpt: bool) -> Step:
         text = 'mkdir -p "$2/text" && cp "$1" "$2/text/docs.jsonl"'
         source = args.docs_corpus
     else:
-        text = '"$0" scripts/build_docs_corpus.py "$2/text/docs.jsonl"' + (' --max-mb 0.5' if ctx.cpu else '')
+        text = '"$0" scripts/build_docs_corpus.py --out "$2/text/docs.jsonl"' + (' --max-mb 0.5' if ctx.cpu else '')
         source = "-"
     inputs = '"$2/text"' if corpus == "prose" else '"$2/text/docs.jsonl"'  # not the licence list beside it
     script = f'{text} && "$0" -m distlm prepare {inputs} --out "$2/data" --quiet'
