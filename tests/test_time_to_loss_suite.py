@@ -183,3 +183,20 @@ def test_scaling_repeats_interleave_and_report_the_lowest(tmp_path, capsys):
     with pytest.raises(ValueError, match="--repeat 0"):
         scaling_suite.plan(p.parse_args(["--gpus", "4", "--repeat", "0"]),
                            bench_run.Context(gpus=4, cpu=False, python="py", out=Path("/o")))
+
+
+def test_startup_tool_reads_the_set_up_and_first_step_lines():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    import startup
+    log = ("compile cache: /c (warm, 9 files; train.compile_cache)\n"
+           "set-up 4.5 s (device and process group 0.0, config and data check 0.1, memory check 0.0, run folder 0.0, "
+           "compiler import 4.2, model plan 0.0, weights 0.2, data-parallel wrap 0.0, optimizer and data loader 0.0, "
+           "resume and run files 0.0); 10.6 s since the process started\n"
+           "first step 9.0 s after set-up, compilation included; compile cache warm: 4 graphs loaded, 0 compiled (/c)\n")
+    row = startup.parse(log)
+    assert row["before_setup_s"] == 6.1 and row["setup_s"] == 4.5 and row["to_first_step_s"] == 19.6
+    assert row["phases"]["compiler import"] == 4.2 and len(row["phases"]) == 10
+    assert (row["cache"], row["loaded"], row["compiled"]) == ("warm", 4, 0)
+    assert startup.parse("no set-up here") is None
+    md = startup.table([{"gpus": 1, "run": "warm", **row}])
+    assert "| 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | 19.6 | 4 / 0 |")
