@@ -113,7 +113,8 @@ def main(argv: list[str]) -> int:
     if together:
         lines += [f"Ran at the same time, one per GPU (CUDA_VISIBLE_DEVICES): "
                   f"{', '.join(n for n in together if any(r['name'] == n for r in runs)) or 'none of these'}; "
-                  f"every other run ran alone.", ""]
+                  f"every other run ran alone. Runs that ran together shared the host's CPU cores, so their "
+                  f"compilation (part of the start-up) may be slower than alone.", ""]
     fallback = runs[0]
     for layout, members in groups.items():
         base = next((r for r in members if is_recipe(r["name"], "nanogpt")), None) or \
