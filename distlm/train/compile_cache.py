@@ -46,7 +46,8 @@ def cache_root(setting: str, environ: MutableMapping[str, str]) -> Optional[Path
 
 
 def _entries(folder: Path) -> int:
-    """Graphs already in the FX-graph cache (one folder per graph key under fxgraph/)."""
+    """Files already in the FX-graph cache (fxgraph/ holds a folder of entries per graph key):
+    any means a run has compiled into this folder before."""
     fx = folder / "fxgraph"
     try:
         return sum(1 for _ in fx.rglob("*") if _.is_file())
@@ -68,7 +69,7 @@ def _usable(folder: Path) -> Optional[str]:
 @dataclass(frozen=True)
 class CompileCache:
     folder: Optional[Path]   # where inductor's caches go; None = torch's defaults
-    entries: int             # compiled graphs found there before this run: > 0 means warm
+    entries: int             # FX-graph cache files found there before this run: > 0 means warm
     warning: Optional[str]   # a one-line warning when the folder asked for cannot be used
     source: str = "train.compile_cache"  # what chose the folder, for the log
 
