@@ -166,7 +166,7 @@ def jobs_for(corpus: str, args, ctx: Context) -> list[Job]:
             launch = [ctx.python, "benchmarks/tools/nanogpt_recipe.py", "run", "--nanogpt", args.nanogpt, "--data",
                       f"{folder}/nanogpt", "--run-dir", f"{{out}}/{{stamp}}-{name}-run", "--gpus", str(nproc),
                       "--python", ctx.python, "--launch-time", "{dir}/launch_time.txt", "--result",
-                      "{dir}/result.json", *(["--cpu"] if ctx.cpu else [])]
+                      "{dir}/result.json", *(["--cpu", "--val-blocks", "64"] if ctx.cpu else [])]
         else:
             launch = ctx.distlm(["train", *train, *common, f"log.name={{stamp}}-{name}-run"], nproc)
         jobs.append(Job(name, nproc, launch, "{out}/inductor-" + cold_name, warm, cold_name))

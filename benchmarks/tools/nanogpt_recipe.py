@@ -73,10 +73,11 @@ def export(data: Path, out: Path) -> dict:
     return counts
 
 
-def whole_val_loss(nanogpt: Path, ckpt: Path, val_bin: Path, device: str, batch: int = 16) -> tuple[float, int]:
-    """(mean loss, blocks) of nanoGPT's checkpoint over every non-overlapping block of val.bin,
-    with nanoGPT's model code. The checkpoint is read with weights_only (tensors and plain
-    values: nothing it holds is run)."""
+def whole_val_loss(nanogpt: Path, ckpt: Path, val_bin: Path, device: str, batch: int = 16,
+                   max_blocks: int = 0) -> tuple[float, int]:
+    """(mean loss, blocks) of nanoGPT's checkpoint over every non-overlapping block of val.bin
+    (the first ``max_blocks`` when it is not 0), with nanoGPT's model code. The checkpoint is
+    read with weights_only (tensors and plain values: nothing it holds is run)."""
     import torch
     sys.path.insert(0, str(nanogpt))
     from model import GPT, GPTConfig  # nanoGPT's, from its checkout
@@ -87,6 +88,7 @@ def whole_val_loss(nanogpt: Path, ckpt: Path, val_bin: Path, device: str, batch:
     T = model.config.block_size
     val = np.memmap(val_bin, dtype=np.uint16, mode="r")
     n = (len(val) - 1) // T
+    n = min(n, max_blocks) if max_blocks else n
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu",
                                                                                                       enabled=False)
     total = 0.0
@@ -137,7 +139,8 @@ def run(args) -> int:
         print("error: nanoGPT's log has no iterations or evaluations to read", file=sys.stderr)
         return 1
     device = "cpu" if args.cpu else "cuda"
-    loss, blocks = whole_val_loss(nanogpt, run_dir / "out" / "ckpt.pt", data / "val.bin", device)
+    loss, blocks = whole_val_loss(nanogpt, run_dir / "out" / "ckpt.pt", data / "val.bin", device,
+                                  max_blocks=args.val_blocks)
     final_t, final_step, final_est = evals[-1]
     # nanoGPT takes one more step after its final evaluation (iteration max_iters); its
     # checkpoint and final loss are from before it, so that step is not counted.
@@ -182,6 +185,8 @@ def main(argv: list[str]) -> int:
     r.add_argument("--launch-time", help="a file holding the launch's unix time (default: nanoGPT's first line)")
     r.add_argument("--result", help="also write result.json here")
     r.add_argument("--cpu", action="store_true", help="a tiny model for 4 iterations on the CPU")
+    r.add_argument("--val-blocks", type=int, default=0, help="score the first N val blocks only (0 = all: what a "
+                                                              "figure needs; N is for plumbing checks)")
     args = p.parse_args(argv)
     if args.verb == "export":
         export(Path(args.data), Path(args.out))
