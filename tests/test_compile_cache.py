@@ -2,6 +2,7 @@
 run; a folder that cannot be used is a one-line warning, not a failed run."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,13 +65,19 @@ def _train(folder: Path, runs: Path, name: str) -> subprocess.CompletedProcess:
 
 def test_a_second_run_loads_what_the_first_compiled(tmp_path):
     """Two processes, one folder: the first compiles (cache misses) and says cold; the second
-    compiles nothing, loads every graph from the folder and says warm (inductor's counters)."""
+    compiles nothing, loads every graph from the folder and says warm (inductor's counters).
+    The second reads a copy of the folder at another path, the first's removed: a cache carried
+    to another machine is as warm."""
     folder = tmp_path / "cache"
     first = _train(folder, tmp_path / "runs", "a")
     assert f"compile cache: {folder} (cold, empty; train.compile_cache)" in first.stdout, first.stdout
     cold = re.search(r"compile cache (\w+): (\d+) graphs loaded, (\d+) compiled", first.stdout)
     assert cold and cold.group(1) == "cold" and cold.group(2) == "0" and int(cold.group(3)) > 0, first.stdout
     assert any((folder / "fxgraph").rglob("*")), "nothing written to the cache folder"
+    moved = tmp_path / "carried" / "cache"
+    shutil.copytree(folder, moved)
+    shutil.rmtree(folder)
+    folder = moved
     second = _train(folder, tmp_path / "runs", "b")
     assert re.search(rf"compile cache: {re.escape(str(folder))} \(warm, \d+ files", second.stdout), second.stdout
     warm = re.search(r"compile cache (\w+): (\d+) graphs loaded, (\d+) compiled", second.stdout)
