@@ -89,7 +89,7 @@ def _documented(body: list, prefix: str) -> Iterator[str]:
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             if node.name.startswith("_") and not node.name.startswith("__init__"):
-                continue  # private helpers: their docstrings are notes for maintainers
+                continue  # private functions: their docstrings are notes for maintainers
             doc = ast.get_docstring(node, clean=True)
             if isinstance(node, ast.ClassDef):
                 bases = ", ".join(ast.unparse(b) for b in node.bases)

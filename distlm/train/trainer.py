@@ -77,7 +77,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         check_memory(cfg, self.device, self.dims, self.comm)  # before the run folder exists
-        clock.lap("memory check")  # on CUDA the first call into the GPU: the CUDA context starts here
+        clock.lap("memory check")  # on CUDA the first use of the GPU: the CUDA context starts here
         self.run_dir = Path(run_dir) if run_dir else self._run_dir(name_prefix)
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
         # A checkpoint of another architecture or data is refused here, before the model is
