@@ -74,8 +74,8 @@ def export(data: Path, out: Path) -> dict:
 
 
 def whole_val_loss(nanogpt: Path, ckpt: Path, val_bin: Path, device: str, batch: int = 16,
-                   max_blocks: int = 0) -> tuple[float, int]:
-    """(mean loss, blocks) of nanoGPT's checkpoint over every non-overlapping block of val.bin
+                   max_blocks: int = 0) -> tuple[float, int, int]:
+    """(mean loss, blocks, the checkpoint's iteration) of nanoGPT's checkpoint over every non-overlapping block of val.bin
     (the first ``max_blocks`` when it is not 0), with nanoGPT's model code. The checkpoint is
     read with weights_only (tensors and plain values: nothing it holds is run)."""
     import torch
@@ -99,7 +99,7 @@ def whole_val_loss(nanogpt: Path, ckpt: Path, val_bin: Path, device: str, batch:
             y = torch.from_numpy(np.stack([val[i * T + 1:(i + 1) * T + 1] for i in ids]).astype(np.int64)).to(device)
             _, loss = model(x, y)
             total += float(loss) * len(ids)
-    return total / n, n
+    return total / n, n, int(ck["iter_num"])
 
 
 def run(args) -> int:
@@ -139,9 +139,14 @@ def run(args) -> int:
         print("error: nanoGPT's log has no iterations or evaluations to read", file=sys.stderr)
         return 1
     device = "cpu" if args.cpu else "cuda"
-    loss, blocks = whole_val_loss(nanogpt, run_dir / "out" / "ckpt.pt", data / "val.bin", device,
-                                  max_blocks=args.val_blocks)
-    final_t, final_step, final_est = evals[-1]
+    loss, blocks, saved = whole_val_loss(nanogpt, run_dir / "out" / "ckpt.pt", data / "val.bin", device,
+                                         max_blocks=args.val_blocks)
+    # nanoGPT saves only an evaluation that improved on the best so far: the checkpoint scored is
+    # that of its last improving evaluation, normally the final one.
+    final_t, final_step, final_est = next(e for e in reversed(evals) if e[1] == saved)
+    if saved != evals[-1][1]:
+        print(f"note: nanoGPT's last checkpoint is from step {saved}, not its final step {evals[-1][1]} "
+              f"(its later evaluations did not improve)")
     # nanoGPT takes one more step after its final evaluation (iteration max_iters); its
     # checkpoint and final loss are from before it, so that step is not counted.
     iters = [i for i in iters if i[1] < final_step]
