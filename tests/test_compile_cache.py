@@ -36,6 +36,11 @@ def test_open_points_inductor_at_the_folder_and_torch_env_wins(tmp_path):
     # torch's own variable, set by the user, is kept under auto
     kept = {"HOME": str(tmp_path), INDUCTOR_ENV: str(tmp_path / "mine")}
     assert CompileCache.open("auto", kept).folder == tmp_path / "mine" and kept[INDUCTOR_ENV] == str(tmp_path / "mine")
+    # ... but not torch's own default, which inductor itself writes there once it has run
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    set_by_torch = {"HOME": str(tmp_path), INDUCTOR_ENV: default_cache_dir()}
+    assert CompileCache.open("auto", set_by_torch).folder == tmp_path / ".cache" / "distlm" / "compile"
+    assert set_by_torch[INDUCTOR_ENV] == str(tmp_path / ".cache" / "distlm" / "compile")
     off = {"HOME": str(tmp_path)}
     assert CompileCache.open("off", off).folder is None and INDUCTOR_ENV not in off
 

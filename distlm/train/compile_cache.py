@@ -7,7 +7,8 @@ reboot or a cleaner may empty, and which other users of the machine can write. d
 them at a folder of the user's (train.compile_cache):
 
     auto    $DISTLM_CACHE_DIR, else $XDG_CACHE_HOME/distlm, else ~/.cache/distlm; with
-            compile/ under it. TORCHINDUCTOR_CACHE_DIR, when set, wins (torch's own knob).
+            compile/ under it. TORCHINDUCTOR_CACHE_DIR, when the user set it, wins (torch's
+            own knob; inductor also sets it to its default once it has run in a process).
     off     torch's defaults, untouched
     PATH    that folder
 
@@ -24,6 +25,7 @@ whether the run started cold or warm.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,14 @@ def _entries(folder: Path) -> int:
         return 0
 
 
+def _torch_default(value: str) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR holds torch's own default folder: inductor writes it
+    there the first time it looks for its cache, so in a process that compiled something
+    before, the variable says nothing of the user's wishes."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    return utils is not None and os.path.abspath(value) == os.path.abspath(utils.default_cache_dir())
+
+
 def _usable(folder: Path) -> Optional[str]:
     """None when the folder can be made and written to, else why not (one phrase)."""
     try:
@@ -83,7 +93,7 @@ class CompileCache:
         folder that cannot be made or written gives a warning and torch's defaults, never a
         failed run: a cache only saves time."""
         environ = os.environ if environ is None else environ
-        if setting == "auto" and environ.get(INDUCTOR_ENV):
+        if setting == "auto" and environ.get(INDUCTOR_ENV) and not _torch_default(environ[INDUCTOR_ENV]):
             folder = Path(environ[INDUCTOR_ENV])
             return cls(folder, _entries(folder), None, INDUCTOR_ENV)
         folder = cache_root(setting, environ)
@@ -116,7 +126,6 @@ class CompileCache:
 def cache_counters() -> tuple[int, int]:
     """(graphs loaded from the cache, graphs compiled) so far in this process: inductor's
     FX-graph cache hits and misses (0, 0 when nothing was compiled)."""
-    import sys
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:  # nothing compiled: the compiler was never imported
         return 0, 0
