@@ -67,6 +67,8 @@ NOT_RUN = {
     "source": "changes the shell, not the project",
     "--interactive": "reads prompts from a terminal",
     "benchmarks/": "a GPU suite (docs/results/ has its figures)",
+    "scripts/build_docs_corpus.py": "reads every installed package's sources (minutes on a small machine); "
+                                    "tests/test_docs_corpus.py builds and prepares it at a tiny size",
     "-m gpu": "the CUDA-only tests",
     "GPU-sized": "a GPU-sized model or corpus (a 124M+ preset, a folder the reader prepares)",
 }

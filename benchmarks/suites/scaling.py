@@ -1,11 +1,13 @@
 """How throughput scales with GPUs along one axis: DDP, FSDP2, TP or PP.
 
     python benchmarks/run.py scaling --gpus 4 --axis ddp|fsdp|tp|pp [--sizes 1,2,4] [--mode weak|strong]
-        [--config gpt2-124m-1024] [--independent] [--pp-sweep 1,2,4,8] [--horovod] [--classify]
+        [--config gpt2-124m-1024] [--independent] [--pp-sweep 1,2,4,8] [--horovod] [--classify] [--repeat N]
 
 ddp and fsdp: `distlm bench --scaling` (one torchrun launch per size; speed-up, efficiency,
 exposed communication, an Amdahl fit, a plot and advice). tp and pp: one `distlm bench` per
-size with parallel.tp / parallel.pp at that degree. --independent also runs one process per GPU
+size with parallel.tp / parallel.pp at that degree. --repeat N (ddp, fsdp) runs the scaling
+measurement N times in turn and puts the repetitions side by side (tools/scaling_repeats.py): the
+lowest efficiency is what a goal such as "95% every time" is about. --independent also runs one process per GPU
 at once with no communication (how much of a DDP loss is the host or the power cap, not the
 all-reduce). --pp-sweep runs the pipeline bubble sweep (naive, GPipe, 1F1B) at --gpus stages.
 --horovod trains 50 steps under torch DDP and under Horovod (needs Horovod built: make horovod).
@@ -30,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", help="world sizes, e.g. 1,2,4 (default: powers of two up to --gpus)")
     p.add_argument("--mode", choices=("weak", "strong"), default="weak")
     p.add_argument("--independent", action="store_true", help="also one process per GPU at once, no communication")
+    p.add_argument("--repeat", type=int, default=1, help="ddp/fsdp: the measurement N times in turn (1, N GPUs, 1, "
+                                                         "N, ...) and every repetition side by side")
     p.add_argument("--pp-sweep", metavar="MICROBATCHES", help="e.g. 1,2,4,8,16,32: the bubble sweep")
     p.add_argument("--horovod", action="store_true", help="torch DDP against Horovod, 50 steps of distlm train")
     p.add_argument("--classify", action="store_true", help="the classification study instead of --config")
@@ -47,9 +51,19 @@ def plan(args, ctx: Context) -> list[Step]:
         return classify(args, ctx, sizes, flags)
     if args.axis in ("ddp", "fsdp"):
         axis = "dp_replicate" if args.axis == "ddp" else "dp_shard"
-        steps.append(Step(f"{args.axis}-{args.mode}", ctx.distlm(ctx.tiny(
-            ["bench", "--scaling", ",".join(map(str, sizes)), "--axis", axis, "--mode", args.mode, *base, *flags,
-             "--out-dir", "{dir}"])), result=f"scaling-{args.mode}.json"))
+        if args.repeat < 1:
+            raise ValueError(f"--repeat {args.repeat}: must be at least 1")
+        # Repetitions one after another, each measuring every size in turn: interleaved, so a
+        # slow spell of the machine lands in one repetition instead of biasing one size.
+        names = [f"{args.axis}-{args.mode}" + (f"-r{i}" if args.repeat > 1 else "") for i in range(1, args.repeat + 1)]
+        for name in names:
+            steps.append(Step(name, ctx.distlm(ctx.tiny(
+                ["bench", "--scaling", ",".join(map(str, sizes)), "--axis", axis, "--mode", args.mode, *base, *flags,
+                 "--out-dir", "{dir}"])), result=f"scaling-{args.mode}.json"))
+        if args.repeat > 1:
+            steps.append(Step(f"{args.axis}-{args.mode}-repeats", [ctx.python, "benchmarks/tools/scaling_repeats.py",
+                                                                   "{dir}", *(f"{{out}}/{{stamp}}-{n}" for n in names)],
+                              result="repeats.json"))
     else:
         for n in sizes:
             lay = [f"parallel.{args.axis}={n}"] if n > 1 else []

@@ -5,9 +5,18 @@
 
 Each run's validation rows are timed from its own process start (the launch time the
 time-to-loss suite recorded before starting the process, so imports, data checks and
-compilation all count). A run folder named <UTC time>-NAME-run (the suite's) is reported as NAME. The target is the final validation loss of the run named
-"baseline" or "baseline@LAYOUT" (else the first run); every other run is timed to its first validation at or below it. Writes
-OUT_DIR/speedrun-table.md and the two plots (loss against wall time, against tokens).
+compilation all count). A run folder named <UTC time>-NAME-run (the suite's) is reported as NAME.
+Runs are grouped by GPU layout (NAME-at-ddp4 is on 4 GPUs; no layout is one GPU), and each group
+has its own target: the final validation loss of its cold nanogpt run (nanoGPT's own train.py,
+scored over the whole val split by tools/nanogpt_recipe.py), else of its baseline run, else of
+the first run of the first group; every other run is timed to its first validation at or below
+it. TARGET (env) gives one target to every group. Writes OUT_DIR/speedrun-table.md, .json and
+the two plots (loss against wall time, against tokens).
+
+Beside a run's launch-time file, the suite keeps the run's log.txt: the report takes from it when
+distlm's set-up ended (seconds from process start) and whether its compile cache was cold or warm
+(the line after the first step). CONCURRENT (env, comma-separated names) marks the runs that
+ran at the same time, one per GPU.
 
 The table also splits each time at the run's first logged step (step 10): before it, the fixed
 start-up (imports, set-up, compilation of the first graphs); after it, training and evaluation.
@@ -26,6 +35,28 @@ from pathlib import Path
 def run_name(run_dir: Path) -> str:
     m = re.fullmatch(r"\d{8}T\d{6}Z-(.+)-run", run_dir.name)
     return m.group(1) if m else run_dir.name
+
+
+SETUP = re.compile(r"^set-up [0-9.]+ s \(.*\); ([0-9.]+) s since the process started", re.M)
+CACHE = re.compile(r"first step ([0-9.]+) s after set-up, compilation included; compile cache ([a-z ]+):")
+
+
+def layout_of(name: str) -> str:
+    m = re.search(r"-at-([a-z]+\d+)", name) or re.search(r"@([a-z]+\d+)", name)
+    return m.group(1) if m else "1 GPU"
+
+
+def is_recipe(name: str, recipe: str) -> bool:
+    """NAME is RECIPE's cold run (on any corpus prefix and layout)."""
+    return re.search(rf"(^|-){recipe}(-at-[a-z]+\d+|@[a-z]+\d+)?$", name) is not None
+
+
+def read_log(log: Path) -> dict:
+    """When set-up ended and the compile cache's state, from a distlm run's log (None: absent)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    setup, cache = SETUP.search(text), CACHE.search(text)
+    return {"setup_done_s": float(setup.group(1)) if setup else None,
+            "first_step_s": float(cache.group(1)) if cache else None, "cache": cache.group(2) if cache else None}
 
 
 def read_run(run_dir: Path, launch: float) -> dict:
@@ -61,41 +92,64 @@ def main(argv: list[str]) -> int:
     runs = []
     for spec in argv[1:]:
         path, _, launch = spec.partition("=")
+        log = None
         if launch.startswith("@"):
+            log = Path(launch[1:]).parent / "log.txt"
             launch = Path(launch[1:]).read_text().strip()
         if not (Path(path) / "metrics.csv").is_file():
             print(f"{path}: no metrics.csv (the run failed; see its log)")
             continue
-        runs.append(read_run(Path(path), float(launch)))
+        run = read_run(Path(path), float(launch))
+        run.update(read_log(log) if log is not None else read_log(Path("/nonexistent")))
+        runs.append(run)
     if not runs:
         print("no run finished: nothing to report")
         return 1
-    base = next((r for r in runs if re.split("@|-at-", r["name"])[0] == "baseline"), runs[0])  # baseline@ddp4 too
-    # TARGET (env): a loss measured elsewhere (the baseline's), for a set of runs without a baseline.
-    target = float(os.environ["TARGET"]) if os.environ.get("TARGET") else base["val"][-1][2]
-    what = "given in TARGET" if os.environ.get("TARGET") else f"the final validation loss of {base['name']}"
-    lines = [f"Target: {target:.4f}, {what}, over the whole val split.", "",
-             "| run | seconds from process start to target | tokens to target | final val loss | "
-             "final at (s) | steady tok/s | MFU | speed-up vs baseline | start-up: s to the first logged step | "
-             "s from it to target | speed-up after start-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    base_s = base["val"][-1][0]
-    base_after = base_s - base["first_log_s"] if base["first_log_s"] is not None else None
-    table = []
+    groups: dict[str, list[dict]] = {}
     for r in runs:
-        hit = next(((t, tok) for t, tok, v, _ in r["val"] if v <= target), None)
-        t_hit, tok_hit = hit if hit else (None, None)
-        table.append({"run": r["name"], "target": target, "s_to_target": t_hit, "tokens_to_target": tok_hit,
-                      "final_val_loss": r["val"][-1][2], "final_at_s": r["val"][-1][0], "steady_tok_s": r["tok_s"],
-                      "mfu": r["mfu"], "startup_s": r["first_log_s"]})
-        final_t, _, final_v, _ = r["val"][-1]
-        tok_s = "n/a" if r["tok_s"] is None else f"{r['tok_s']:,.0f}"
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"| {r['name']} | {'not reached' if hit is None else f'{t_hit:.1f}'} | "
-                     f"{'—' if hit is None else f'{tok_hit / 1e6:.1f}M'} | {final_v:.4f} | {final_t:.1f} | "
-                     f"{tok_s} | {mfu} | {'—' if hit is None else f'{base_s / t_hit:.2f}x'} | "
-                     + _split(r["first_log_s"], t_hit, base_after) + " |")
-    text = "\n".join(lines) + "\n"
+        groups.setdefault(layout_of(r["name"]), []).append(r)
+    together = [n for n in os.environ.get("CONCURRENT", "").split(",") if n]
+    lines, table = [], []
+    if together:
+        lines += [f"Ran at the same time, one per GPU (CUDA_VISIBLE_DEVICES): "
+                  f"{', '.join(n for n in together if any(r['name'] == n for r in runs)) or 'none of these'}; "
+                  f"every other run ran alone. Runs that ran together shared the host's CPU cores, so their "
+                  f"compilation (part of the start-up) may be slower than alone.", ""]
+    fallback = runs[0]
+    for layout, members in groups.items():
+        base = next((r for r in members if is_recipe(r["name"], "nanogpt")), None) or \
+            next((r for r in members if is_recipe(r["name"], "baseline")), None) or fallback
+        # TARGET (env): a loss measured elsewhere, for a set of runs without a baseline.
+        target = float(os.environ["TARGET"]) if os.environ.get("TARGET") else base["val"][-1][2]
+        what = "given in TARGET" if os.environ.get("TARGET") else f"the final validation loss of {base['name']}"
+        lines += [f"{layout}: target {target:.4f}, {what}, over the whole val split.", "",
+                  "| run | seconds from process start to target | tokens to target | final val loss | "
+                  "final at (s) | steady tok/s | MFU | speed-up vs baseline | start-up: s to the first logged step | "
+                  "s from it to target | speed-up after start-up | set-up done (s) | first step after it (s) | "
+                  "compile cache |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        base_s = base["val"][-1][0]
+        base_after = base_s - base["first_log_s"] if base["first_log_s"] is not None else None
+        for r in members:
+            hit = next(((t, tok) for t, tok, v, _ in r["val"] if v <= target), None)
+            t_hit, tok_hit = hit if hit else (None, None)
+            table.append({"run": r["name"], "layout": layout, "baseline": base["name"], "target": target,
+                          "s_to_target": t_hit, "tokens_to_target": tok_hit, "final_val_loss": r["val"][-1][2],
+                          "final_at_s": r["val"][-1][0], "steady_tok_s": r["tok_s"], "mfu": r["mfu"],
+                          "startup_s": r["first_log_s"], "setup_done_s": r["setup_done_s"],
+                          "first_step_s": r["first_step_s"], "compile_cache": r["cache"],
+                          "concurrent": r["name"] in together})
+            final_t, _, final_v, _ = r["val"][-1]
+            tok_s = "n/a" if r["tok_s"] is None else f"{r['tok_s']:,.0f}"
+            mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+            setup = "—" if r["setup_done_s"] is None else f"{r['setup_done_s']:.1f}"
+            first = "—" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
+            lines.append(f"| {r['name']} | {'not reached' if hit is None else f'{t_hit:.1f}'} | "
+                         f"{'—' if hit is None else f'{tok_hit / 1e6:.1f}M'} | {final_v:.4f} | {final_t:.1f} | "
+                         f"{tok_s} | {mfu} | {'—' if hit is None else f'{base_s / t_hit:.2f}x'} | "
+                         + _split(r["first_log_s"], t_hit, base_after) + f" | {setup} | {first} | {r['cache'] or '—'} |")
+        lines.append("")
+    text = "\n".join(lines)
     (out / "speedrun-table.md").write_text(text)
     (out / "speedrun-table.json").write_text(json.dumps(table, indent=1) + "\n")
     print(text)
@@ -108,7 +162,8 @@ def main(argv: list[str]) -> int:
         for r in runs:
             xs = [p[xkey] for p in r["val"]]
             ax.plot(xs, [p[2] for p in r["val"]], marker="o", markersize=3, label=r["name"])
-        ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+        for t in sorted({row["target"] for row in table}):
+            ax.axhline(t, color="gray", linestyle="--", linewidth=1, label=f"target {t:.3f}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss (whole val split)")
         ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))

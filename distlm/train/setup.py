@@ -5,6 +5,7 @@ Kept apart from the loop so eval, bench and export can build the same pieces.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Optional
 
 import torch
@@ -42,10 +43,16 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clo
     """Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
     model when it is sharded. Returns (the wrapped model to train, the plain module inside
     (under PP this rank's pruned part), the step engine that drives it). ``clock`` (a
-    SetupClock) gets three laps: the model's structure with its parallel plans and compile
-    wrappers, the weights' allocation and init, and the data-parallel wrapper (DDP's
-    constructor broadcasts rank 0's weights: the first collective, so NCCL connects there)."""
+    SetupClock) gets four laps: the compiler's import (when compiling), the model's structure
+    with its parallel plans and compile wrappers, the weights' allocation and init, and the
+    data-parallel wrapper (DDP's constructor broadcasts rank 0's weights: the first
+    collective, so NCCL connects there)."""
     lap = clock.lap if clock is not None else (lambda name: None)
+    if cfg.train.compile:
+        # torch.compile's first use imports the compiler (1.6 s on the 2-core box; more with
+        # triton on a GPU machine): a lap of its own, so "model plan" is the plan alone.
+        importlib.import_module("torch._inductor.compile_fx")  # not `import torch...`: that binds a local torch
+    lap("compiler import")
     with torch.device("meta"):
         inner = task.build_model(cfg)
 

@@ -27,6 +27,7 @@ from distlm.model.gpt import flops_per_token
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
+from distlm.train.compile_cache import CompileCache
 from distlm.train.fast_defaults import fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
@@ -80,13 +81,16 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         check_memory(cfg, self.device, self.dims, self.comm)  # before the run folder exists
+        clock.lap("memory check")  # on CUDA the first use of the GPU: the CUDA context starts here
         self.run_dir = Path(run_dir) if run_dir else self._run_dir(name_prefix)
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
         # A checkpoint of another architecture or data is refused here, before the model is
         # built or any weight loaded (and before config.yaml is rewritten).
         check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
-        # three laps: model plan, weights, data-parallel wrap
+        self.compile_cache = self._open_compile_cache()  # before anything is compiled
+        clock.lap("run folder")
+        # four laps: compiler import, model plan, weights, data-parallel wrap
         self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task, clock)
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
@@ -117,6 +121,15 @@ class Trainer:
         self.setup_line = clock.line()  # printed by train(); compilation comes later, in the first step
 
     # ---- set-up -------------------------------------------------------------------
+    def _open_compile_cache(self) -> Optional[CompileCache]:
+        """Point torch's compile caches at train.compile_cache (None when nothing is compiled)."""
+        if not self.cfg.train.compile:
+            return None
+        cache = CompileCache.open(self.cfg.train.compile_cache)
+        if self.dims.is_main:
+            print(cache.warning or cache.describe(), file=sys.stderr if cache.warning else sys.stdout, flush=True)
+        return cache
+
     def _agreed_seconds(self, seconds: float) -> float:
         if not self.dims.is_distributed:
             return seconds
@@ -341,6 +354,8 @@ class Trainer:
                 loss, grad_norm = self.train_step()
                 watchdog.arm(self.step)  # armed after the first step: compilation may take minutes
                 first, last = self.step == start_step + 1, self.lr_clock.complete(self.step)
+                if first and main and self.compile_cache is not None:
+                    say(self.compile_cache.report(time.perf_counter() - t_start))  # cold or warm, in the log
                 status = progress.at(self.step, time.perf_counter(), finished=last)
                 if bar is not None:
                     bar.show(status)
