@@ -70,7 +70,17 @@ class ParallelDims(Layout):
         self.dp_mesh = self._flatten(self.data_axes, "dp", self.dp_size, opts)
         self.loss_mesh = (self.dp_mesh if self.loss_axes == self.data_axes
                           else self._flatten(self.loss_axes, "loss", self.loss_size, opts))
+        # A gradient role held by several axes (the data shards and a sequence axis, say) is
+        # one dimension to DDP and FSDP2: flattened here, addressed by role_dim.
+        for axes, size in ((self.replicate_axes, self.replicate_degree), (self.shard_axes, self.shard_degree)):
+            if len(axes) > 1:
+                self._flatten(axes, self.role_dim(axes), size, opts)
         return self.mesh
+
+    @staticmethod
+    def role_dim(axes: tuple[str, ...]) -> str:
+        """The mesh dimension a role's axes form: the one axis, or their flattened dimension."""
+        return axes[0] if len(axes) == 1 else "_".join(axes)
 
     def _flatten(self, axes: tuple[str, ...], name: str, size: int, opts):
         """The mesh dimensions ``axes`` as one (a collective on every rank: flattened in the
