@@ -217,7 +217,7 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     in_flight = 1 if lay.pp == 1 else (n_mb if lay.schedule in ("gpipe", "naive") else min(lay.pp, n_mb))
     # logits, their fp32 copy and gradient; model.loss_chunk holds one chunk of them (it applies
     # where the model computes its own loss: no TP, no pipeline)
-    rows = min(b * T, m.loss_chunk) if m.loss_chunk and t == 1 and lay.pp == 1 else b * T
+    rows = min(b * T, m.loss_chunk) if m.loss_chunk and lay.model_computes_loss else b * T
     logits = rows * V / (t if loss_parallel else 1) * (compute_bytes + 4 + 4)
     if lay.ac == "full":
         # Only each block's input is kept; one block's tensors come back during its
