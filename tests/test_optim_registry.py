@@ -97,8 +97,8 @@ def test_the_declared_state_is_the_state_a_step_leaves(name):
             assert state[t.key].shape == (p.shape if t.like_param else ())
             held[kind] += state[t.key].numel() * state[t.key].element_size() if t.like_param else 0
     # the planner counts the same bytes from the declaration (one process: nothing split)
-    from distlm.planner import Layout, estimate
-    est = estimate(cfg.model, Layout(1, 1, 1, 1), 2, 2, 80.0, compute_bytes=4, optimizer=spec)
+    from distlm.planner import Candidate, estimate
+    est = estimate(cfg.model, Candidate(1, 1, 1, 1), 2, 2, 80.0, compute_bytes=4, optimizer=spec)
     # (up to the value embeddings' learned scalar gates, which the planner leaves out)
     assert est.optim_gb * 2**30 == pytest.approx(held[MATRIX] + held[OTHER], rel=1e-3)
     assert est.params_gb * 2**30 == pytest.approx(sum(4 * p.numel() for p in model.parameters()), rel=1e-3)
@@ -106,13 +106,13 @@ def test_the_declared_state_is_the_state_a_step_leaves(name):
 
 
 def test_muon_plans_one_momentum_for_the_matrices_and_adamw_state_for_the_rest():
-    from distlm.planner import Layout, block_matrix_params, estimate
+    from distlm.planner import Candidate, block_matrix_params, estimate
     m = load_config("gpt2-124m").model
     m = dataclasses.replace(m, vocab_size=50257)
-    adamw, muon = (estimate(m, Layout(1, 4, 1, 1), 32, 8, 80.0, optimizer=REGISTRY[n]) for n in ("adamw", "muon"))
+    adamw, muon = (estimate(m, Candidate(1, 4, 1, 1), 32, 8, 80.0, optimizer=REGISTRY[n]) for n in ("adamw", "muon"))
     matrices = m.n_layer * block_matrix_params(m) / 4  # FSDP4: a quarter on each GPU
     assert (adamw.optim_gb - muon.optim_gb) * 2**30 == pytest.approx(4 * matrices, rel=1e-9)
-    assert adamw.optim_gb == estimate(m, Layout(1, 4, 1, 1), 32, 8, 80.0).optim_gb  # AdamW stays the default
+    assert adamw.optim_gb == estimate(m, Candidate(1, 4, 1, 1), 32, 8, 80.0).optim_gb  # AdamW stays the default
     assert muon.step_temporaries_gb * 2**30 == pytest.approx(4 * matrices, rel=1e-9)
     assert all(k in KINDS for spec in REGISTRY.values() for k in spec.state)
 

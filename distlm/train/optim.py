@@ -48,9 +48,9 @@ def build_optimizer(model: nn.Module, cfg: Config, device_type: str,
     spec = spec_for(cfg)
     spec.check(cfg)
     # Under DDP the parameters are replicated plain tensors: a matrix optimizer spreads its
-    # whole-matrix work over the DDP group. FSDP2/TP parameters are DTensors and carry their own mesh.
-    from torch.nn.parallel import DistributedDataParallel
-    group = model.process_group if isinstance(model, DistributedDataParallel) else None
+    # whole-matrix work over the group the wrapper names (DDP's process_group, its replicas).
+    # FSDP2/TP parameters are DTensors and carry their own mesh; an unwrapped model names none.
+    group = getattr(model, "process_group", None)
     if ns_dtype is None and cfg.optim.name == "muon":
         ns_dtype = ns_dtype_for(cfg, torch.device(device_type)).dtype
     return spec.build(model, cfg, BuildContext(device_type, group, ns_dtype))

@@ -3,11 +3,10 @@ afresh for each evaluation and each round of samples, so the step it names is cu
 from __future__ import annotations
 
 from distlm.tasks import RunContext
-from distlm.train.samples import why_not
 
 
 def run_context(trainer) -> RunContext:
-    why = why_not(trainer.gpt, trainer.dims)
+    why = trainer.plan.why_no_samples  # the layout's answer: does this rank hold the whole model?
     return RunContext(cfg=trainer.cfg, dims=trainer.dims, device=trainer.device, run_dir=trainer.run_dir,
                       step=trainer.step, model=trainer.model, compute=trainer.compute,
                       eval_losses=lambda batches: trainer.stepper.eval_losses(batches, trainer.compute),
