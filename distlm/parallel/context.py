@@ -33,10 +33,9 @@ Why all-gathered keys and values rather than a ring (torch's experimental
     context do not fit is the case for a ring, which can later sit behind the same
     ``SequenceShard`` (the attention object is its only user).
 
-The gather is ``torch.distributed.nn.functional.all_gather``: its backward sums each
-rank's gradient of the gathered keys back to their owner (a reduce-scatter on NCCL, an
-all-to-all and a sum on gloo), so the autograd is torch's. K and V travel in one
-collective (stacked).
+The gather is torch's functional all-gather with autograd (``gather_sequence``): its
+backward is a reduce-scatter that sums each rank's gradient of the gathered keys back to
+their owner. K and V travel in one collective (stacked).
 
 The loss is the mean over the rank's tokens; every rank of a cp group holds the same
 number of tokens, so averaging gradients over the data x cp ranks (DDP or FSDP2 over the
@@ -56,7 +55,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_gather
+import torch.distributed._functional_collectives as funcol
 from torch.nn.attention.bias import causal_lower_right
 
 from distlm.model.attention import AttentionOverride, document_ids
@@ -97,10 +96,20 @@ def unshard_sequence(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: 
     return torch.cat(chunks, dim)
 
 
+# torch 2.13 renamed the autograd all-gather; the GPU machines run 2.11, which has only the old name.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
 def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's part, with autograd (the gradient of each
-    rank's part is the sum of the gradients its copies received)."""
-    return unshard_sequence(all_gather(x.contiguous(), group=group), dim)
+    """The whole sequence from every rank's part, with autograd: the gradient of each
+    rank's part is the sum of the gradients its copies received (a reduce-scatter).
+
+    Not ``torch.distributed.nn.functional.all_gather``: on gloo its backward scatters
+    from group rank i as if it were global rank i, and fails on any group that does not
+    start at global rank 0 (the cp groups of a dp x cp grid; torch 2.13)."""
+    cp = dist.get_world_size(group)
+    gathered = _all_gather_autograd(x.contiguous(), 0, group)  # the parts stacked along dim 0
+    return unshard_sequence(gathered.chunk(cp, dim=0), dim)
 
 
 class ContextParallel:
