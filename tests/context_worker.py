@@ -10,7 +10,7 @@ weights), and trains ``steps`` AdamW steps on the global batches of ``global_bat
 (the same function the single-process reference calls). Each rank takes its dp slice of
 the rows, then its cp part of each row. Gradients are averaged over dp x cp: DDP over the
 flattened group, or FSDP2 over the flattened mesh (over cp alone, beside TP).
-A job may save model and optimizer (DCP) after step ``save_at``, or start from ``resume``.
+``checkpoint_compile``: activation checkpointing and compiled blocks. A job may save model and optimizer (DCP) after step ``save_at``, or start from ``resume``.
 Rank 0 writes every job's per-step (loss, grad norm) to ``out``.
 """
 from __future__ import annotations
@@ -96,6 +96,14 @@ def run_job(job: dict) -> list:
         from distlm.parallel.tp import apply_tp
         apply_tp(model, mesh["tp"], ParallelConfig(tp=tp))
     # The ranks that average gradients: data and context together.
+    if job.get("checkpoint_compile"):
+        # Activation checkpointing recomputes the block, its all-gather included, in the
+        # backward; each block compiled (aot_eager: traced as inductor would be, without
+        # its C++ build) around the attention, which is a graph break.
+        from distlm.parallel.parallelize import apply_activation_checkpointing
+        apply_activation_checkpointing(model, "full")
+        for block in model.blocks.values():
+            block.compile(backend="aot_eager")
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     fsdp = lay.get("dp_mode") == "fsdp" or tp > 1  # DDP cannot hold TP's DTensors
     if fsdp:  # beside TP, FSDP2 on the (dp x cp) axis of the grid: 2-D parameters

@@ -6,7 +6,8 @@ for a few AdamW steps with clipping on the same global batches as the single-pro
 reference in this process, and every step's loss (the mean over the whole global batch)
 and gradient norm must agree to fp32 rounding:
   - 2 ranks: cp=2 with learned, sinusoidal and rotary positions, and with the modern block
-    (document masks, a window, value embeddings, U-net skips); a cp=2 run saved at step 2
+    (document masks, a window, value embeddings, U-net skips); with activation checkpointing
+    and compiled blocks; a cp=2 run saved at step 2
     and resumed, which must continue bit for bit;
   - 4 ranks: cp=4; cp=2 x FSDP2 and cp=2 x DDP (data and context averaged together);
     cp=2 x TP2 with sequence parallelism and loss_parallel, plain and modern.
@@ -105,6 +106,7 @@ def reference() -> dict:
 def two(root) -> dict:
     ckpt = str(root / "cp2_step2")
     jobs = [job("cp2_gpt2", "gpt2", cp=2), job("cp2_llama", "llama", cp=2), job("cp2_sinus", "sinus", cp=2),
+            {**job("cp2_checkpointed_compiled_llama", "llama", cp=2), "checkpoint_compile": True},
             {**job("cp2_modern", "modern", cp=2), "save_at": SAVE_AT, "save_dir": ckpt},
             {**job("cp2_modern_resumed", "modern", cp=2), "resume": ckpt, "resume_step": SAVE_AT}]
     return launch(root, 2, jobs)
@@ -127,7 +129,7 @@ def assert_close(name: str, got: list, want: list) -> None:
             assert math.isclose(u, v, rel_tol=TOL, abs_tol=TOL), f"{name} step {step} {what}: {u!r} vs {v!r}"
 
 
-@pytest.mark.parametrize("name", ["cp2_gpt2", "cp2_llama", "cp2_sinus", "cp2_modern"])
+@pytest.mark.parametrize("name", ["cp2_gpt2", "cp2_llama", "cp2_sinus", "cp2_modern", "cp2_checkpointed_compiled_llama"])
 def test_cp2_matches_one_process(two, reference, name):
     assert_close(name, two[name]["trace"], reference[name.split("_")[-1]])
 
