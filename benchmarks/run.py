@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 SUITES = {"throughput": "suites.throughput", "scaling": "suites.scaling", "time-to-loss": "suites.time_to_loss",
-          "layouts": "suites.layouts", "prepare": "suites.prepare", "multi-node": "suites.multi_node"}
+          "layouts": "suites.layouts", "prepare": "suites.prepare", "multi-node": "suites.multi_node",
+          "context": "suites.context"}
 
 # PYTHONSAFEPATH: `python -m` would otherwise put the current folder ahead of PYTHONPATH, and a
 # step that measures another checkout (--before DIR) would import this one's distlm.
