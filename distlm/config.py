@@ -17,11 +17,10 @@ from typing import Any, Optional
 
 import yaml
 
+from distlm.errors import ConfigError
+from distlm.layout import AXES, check_layout, token_id_extras
+
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A user-facing config problem; the message names the field and value."""
 
 
 def choice(default, *options, help=""):
@@ -445,8 +444,7 @@ def validate_settings(cfg: Config) -> None:
     positive = {"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.d_model": m.d_model,
                 "model.d_ff": m.d_ff, "model.block_size": m.block_size, "train.max_steps": t.max_steps,
                 "train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,
-                "parallel.dp_replicate": p.dp_replicate, "parallel.dp_shard": p.dp_shard,
-                "parallel.tp": p.tp, "parallel.pp": p.pp, "log.every": cfg.log.every}
+                **{f"parallel.{a.name}": getattr(p, a.name) for a in AXES}, "log.every": cfg.log.every}
     for key, v in positive.items():
         if v is not None and v <= 0:  # None: auto, chosen positive at start-up
             raise ConfigError(f"{key} must be positive, got {v}")
@@ -465,57 +463,14 @@ def validate_settings(cfg: Config) -> None:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size must be positive, got {m.vocab_size}")
-    check_model_split(m, p)
-    dp = p.dp_replicate * p.dp_shard
-    # An auto micro-batch is a divisor of the local batch (distlm/train/fast_defaults.py):
-    # 1 stands for it here, so what is checked is that the local batch is whole.
-    micro = 1 if t.micro_batch_size is None else t.micro_batch_size
-    if p.pp > 1:
-        local = t.global_batch_size // dp if t.global_batch_size % dp == 0 else 0
-        n_mb = p.pp_microbatches or (local // micro if local else 0)
-        if not local or n_mb <= 0 or local % n_mb:
-            raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches}: the local batch "
-                              f"(train.global_batch_size={t.global_batch_size} / data-parallel degree {dp}) must "
-                              f"split into equal microbatches")
-    if p.async_tp and (p.tp == 1 or not p.sequence_parallel or t.compile is False):
-        raise ConfigError("parallel.async_tp pipelines TP's sequence-parallel collectives inside compiled blocks: "
-                          f"it needs parallel.tp > 1 (got {p.tp}), parallel.sequence_parallel=true (got "
-                          f"{str(p.sequence_parallel).lower()}) and train.compile not false")
-    # compile=auto is on wherever a GPU is: an explicit scope=model is refused with it too.
-    if t.compile is not False and t.compile_scope == "model" and (p.dp_shard > 1 or p.tp > 1 or p.pp > 1):
-        raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "
-                          "into per-block or per-stage pieces; use train.compile_scope=block with them")
-    if p.grad_reduce_dtype != "fp32" and p.engine != "torch":
-        raise ConfigError(f"parallel.grad_reduce_dtype={p.grad_reduce_dtype} is for engine=torch (DDP, FSDP2); "
-                          f"Horovod compresses with parallel.fp16_compression=true")
-    if (p.tp > 1 or p.pp > 1) and p.engine != "torch":
-        raise ConfigError(f"parallel.engine={p.engine} does data parallelism only; tp and pp need engine=torch")
-    if t.micro_batch_size is None and t.global_batch_size % dp:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
-                          f"degree {dp}, so that every rank gets a whole local batch; use "
-                          f"train.global_batch_size={-(-t.global_batch_size // dp) * dp}")
-    if t.global_batch_size % (micro * dp):
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size} x data-parallel degree {dp}{_batch_hint(t, dp)}")
+    # What each parallel axis refuses, and the batch over the data ranks: distlm/layout/.
+    check_layout(cfg)
     if cfg.data.mix and (cfg.data.dir or cfg.data.source == "synthetic"):
         raise ConfigError("data.mix trains on its own folders: leave data.dir unset and data.source=tokens")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     _validate_seq_warmup(cfg)
     _validate_task(cfg)
-
-
-def _batch_hint(t: "TrainConfig", dp: int) -> str:
-    """What would work: the largest micro-batch that splits the local batch, or the global
-    batch rounded up to a whole number of micro-batches on every rank."""
-    fixes = []
-    if t.global_batch_size % dp == 0:
-        local = t.global_batch_size // dp
-        fixes.append(f"train.micro_batch_size={max(m for m in range(1, min(local, t.micro_batch_size) + 1) if local % m == 0)}")
-    step = t.micro_batch_size * dp
-    fixes.append(f"train.global_batch_size={-(-t.global_batch_size // step) * step}")
-    return "; use " + " or ".join(fixes)
 
 
 def _at_least(lo):
@@ -605,7 +560,7 @@ def seq_warmup_lengths(t: "TrainConfig", block_size: int) -> list[int]:
 
 
 def _validate_seq_warmup(cfg: Config) -> None:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    m, t = cfg.model, cfg.train
     if not t.seq_warmup_steps:
         return
     s, T = t.seq_warmup_start, m.block_size
@@ -617,13 +572,6 @@ def _validate_seq_warmup(cfg: Config) -> None:
     if T % s or (T // s) & (T // s - 1):
         raise ConfigError(f"train.seq_warmup_start={s} must divide model.block_size={T} by a power of two: the "
                           f"warm-up's rows double from it up to the block size")
-    if p.pp > 1:
-        raise ConfigError(f"train.seq_warmup_steps={t.seq_warmup_steps} does not support parallel.pp={p.pp}: a "
-                          f"pipeline's stages are built for one input shape (model.block_size); use data or "
-                          f"tensor parallelism, or train.seq_warmup_steps=0")
-    if p.tp > 1 and p.sequence_parallel and s % p.tp:
-        raise ConfigError(f"train.seq_warmup_start={s} is not divisible by parallel.tp={p.tp}: sequence "
-                          f"parallelism splits every row over the TP ranks; use a multiple of {p.tp}")
     if cfg.task.name != "lm":
         raise ConfigError(f"train.seq_warmup_steps={t.seq_warmup_steps} is for language models; "
                           f"task.name={cfg.task.name} trains on whole examples")
@@ -650,15 +598,10 @@ def _validate_seq_warmup(cfg: Config) -> None:
 
 
 def _validate_task(cfg: Config) -> None:
-    task, p = cfg.task, cfg.parallel
+    task = cfg.task
     if task.name != "classify":
         return
-    # The classifier's pooled head needs every position of a sequence on one rank, and
-    # its DDP/FSDP2 path is the one tested; TP and PP plans are written for the LM head.
-    for key in ("tp", "pp"):
-        if getattr(p, key, 1) > 1:
-            raise ConfigError(f"task.name=classify does not support parallel.{key}={getattr(p, key)}: "
-                              f"use data parallelism (parallel.dp_replicate or parallel.dp_shard)")
+    # Its DDP/FSDP2 path is the one tested (TP and PP refuse it: distlm/layout/).
     if cfg.parallel.engine != "torch":
         raise ConfigError(f"task.name=classify runs on parallel.engine=torch, not {cfg.parallel.engine}")
     # The classifier runs the trunk's blocks itself, without the token-id-driven extras.
@@ -666,37 +609,6 @@ def _validate_task(cfg: Config) -> None:
     if extras:
         raise ConfigError(f"task.name=classify does not support {', '.join(extras)}: the classifier's trunk runs "
                           f"plain blocks")
-
-
-def token_id_extras(m: ModelConfig) -> list[str]:
-    """The model options that need more than the residual stream inside the blocks (the token
-    ids, or earlier blocks' outputs), as "model.key=value", for the places that cannot give it."""
-    return [f"model.{k}={getattr(m, k)}" for k, off in (("value_embeds", 0), ("skip_connections", False),
-                                                         ("attn_mask", "causal"), ("attn_window", 0))
-            if getattr(m, k) != off]
-
-
-def check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
-    """Tensor parallelism splits heads, FF width and vocabulary rows; each must be whole."""
-    if p.tp > 1:
-        if m.n_head % p.tp:
-            raise ConfigError(f"parallel.tp={p.tp} does not divide model.n_head={m.n_head}: each rank must "
-                              f"hold whole heads")
-        if m.d_ff % p.tp:
-            raise ConfigError(f"parallel.tp={p.tp} does not divide model.d_ff={m.d_ff}")
-        if m.vocab_size is not None and m.padded_vocab_size % p.tp:
-            raise ConfigError(f"parallel.tp={p.tp} does not divide the padded vocabulary ({m.padded_vocab_size}); "
-                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
-    if p.pp > 1 and p.pp_virtual_stages < 1:
-        raise ConfigError(f"parallel.pp_virtual_stages must be positive, got {p.pp_virtual_stages}")
-    if p.pp > 1:
-        # A pipeline stage receives only the residual stream: not the token ids that document
-        # masks and value embeddings are computed from, nor the first half's outputs that
-        # U-net skips add, nor a window mask (the stages call the blocks directly).
-        crossing = token_id_extras(m)
-        if crossing:
-            raise ConfigError(f"parallel.pp={p.pp} does not support {', '.join(crossing)}: they need the token ids "
-                              f"or earlier blocks' outputs inside every stage; use data or tensor parallelism")
 
 
 def to_yaml(cfg: Config) -> str:

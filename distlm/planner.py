@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from distlm.config import ModelConfig
+from distlm.layout import MESH_ORDER, Layout
 from distlm.model.memory import GIB, block_params, end_params
 
 GB = 1e9        # communication volume and link speed
@@ -93,24 +94,19 @@ TP_SPLIT_EFFICIENCY = 1.0
 #   collective cost now carries). Unmeasured at tp >= 4, where narrower matmuls may lose some.
 
 
-@dataclass
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
+@dataclass(kw_only=True)
+class Candidate(Layout):
+    """A layout the planner weighs (the degrees: distlm/layout/), with activation
+    checkpointing and a pipeline schedule."""
     ac: str = "none"          # none | full
     schedule: str = "1f1b"
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("ddp", self.dp_replicate), ("fsdp", self.dp_shard), ("tp", self.tp),
-                                         ("pp", self.pp)) if v > 1] or ["single"]
-        return "x".join(parts) + ("+ac" if self.ac == "full" else "")
+        return super().name + ("+ac" if self.ac == "full" else "")
 
     def overrides(self) -> str:
-        out = [f"parallel.{k}={v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                                ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        out = [super().overrides()] if super().overrides() else []
         if self.ac == "full":
             out.append("parallel.activation_checkpoint=full")
         return " ".join(out)
@@ -118,7 +114,7 @@ class Layout:
 
 @dataclass
 class Estimate:
-    layout: Layout
+    layout: Candidate
     params_gb: float
     grads_gb: float
     optim_gb: float
@@ -166,7 +162,7 @@ def layer_split(m: ModelConfig, pp: int) -> int:
     return max(len(s) for s in split_layers(m, pp))
 
 
-MESH_AXES_INNER_FIRST = ("tp", "dp_shard", "dp_replicate", "pp")  # distlm.parallel.dims builds (pp, ..., tp)
+MESH_AXES_INNER_FIRST = tuple(reversed(MESH_ORDER))  # the mesh distlm.parallel.dims builds, innermost first
 
 
 def crossing_axes(lay: Layout, gpus_per_node: int) -> tuple[str, ...]:
@@ -185,7 +181,7 @@ def crossing_axes(lay: Layout, gpus_per_node: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, gpu_mem_gb: float,
+def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int, gpu_mem_gb: float,
              compute_bytes: int = 2, peak_tflops: float = 989.0, intra_gbs: float = 150.0,
              inter_gbs: float = 25.0, gpus_per_node: Optional[int] = None, mfu: float = MFU,
              sequence_parallel: bool = True, loss_parallel: bool = True,
@@ -221,7 +217,7 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     in_flight = 1 if lay.pp == 1 else (n_mb if lay.schedule in ("gpipe", "naive") else min(lay.pp, n_mb))
     # logits, their fp32 copy and gradient; model.loss_chunk holds one chunk of them (it applies
     # where the model computes its own loss: no TP, no pipeline)
-    rows = min(b * T, m.loss_chunk) if m.loss_chunk and t == 1 and lay.pp == 1 else b * T
+    rows = min(b * T, m.loss_chunk) if m.loss_chunk and lay.model_computes_loss else b * T
     logits = rows * V / (t if loss_parallel else 1) * (compute_bytes + 4 + 4)
     if lay.ac == "full":
         # Only each block's input is kept; one block's tensors come back during its
@@ -280,7 +276,7 @@ def estimate(m: ModelConfig, lay: Layout, global_batch: int, micro_batch: int, g
     return est
 
 
-def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Layout]:
+def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Candidate]:
     """Every (dp_replicate, dp_shard, tp, pp) with product = gpus that the model allows,
     each with and without full activation checkpointing. Data parallelism is DDP or FSDP2
     over all of it, and on several nodes also HSDP: dp_shard filling the rest of a node
@@ -293,7 +289,7 @@ def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> l
         in_node = gpus_per_node // tp if gpus_per_node and gpus_per_node % tp == 0 else 0
         for shard in [s for s in range(1, dp + 1) if dp % s == 0 and s in (1, dp, in_node)]:
             for ac in ("none", "full"):
-                out.append(Layout(dp // shard, shard, tp, pp, ac))
+                out.append(Candidate(dp // shard, shard, tp, pp, ac=ac))
     return out
 
 
@@ -337,7 +333,7 @@ def step_ms(seconds: float) -> str:
 
 def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_batch: Optional[int],
          gpus_per_node: Optional[int] = None,
-         resolve: Optional[Callable[[Layout], tuple[ModelConfig, int]]] = None, **kw) -> list[Estimate]:
+         resolve: Optional[Callable[[Candidate], tuple[ModelConfig, int]]] = None, **kw) -> list[Estimate]:
     """All layouts, the ones that fit first, each group fastest first. gpus_per_node: GPUs
     that share a node's fast links (default: all); the rest of ``kw`` goes to ``estimate``.
     resolve: the model and micro-batch for a layout, where they depend on it (an auto
@@ -401,8 +397,8 @@ def explain(best: Estimate, ests: list[Estimate], gpu_mem_gb: float) -> str:
         why.append(f"  HSDP: FSDP2 over dp_shard={lay.dp_shard} inside a node, and only the all-reduce of each "
                    f"GPU's 1/{lay.dp_shard} of the gradients over dp_replicate={lay.dp_replicate} crosses nodes")
     why.extend(network_lines(best))
-    flat = next((e for e in ests if e.layout == Layout(1, lay.dp_replicate * lay.dp_shard, lay.tp, lay.pp, lay.ac,
-                                                        lay.schedule)), None)
+    flat = next((e for e in ests if e.layout == Candidate(1, lay.dp_replicate * lay.dp_shard, lay.tp, lay.pp,
+                                                           ac=lay.ac, schedule=lay.schedule)), None)
     if lay.dp_replicate > 1 and lay.dp_shard > 1 and flat is not None:
         why.append(f"  flat {flat.layout.name} would send {flat.inter_gb:.2f} GB per GPU per step across nodes "
                    f"(vs {best.inter_gb:.2f}): {step_ms(flat.step_s)} ms/step")

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distlm.config import ConfigError, ModelConfig, ParallelConfig, check_model_split
+from distlm.config import ConfigError, ModelConfig, ParallelConfig
+from distlm.layout import check_model_split
 from distlm.model.attention import block_mask, dense_mask, document_ids, flex_attention
 from distlm.model.generate import KVCache
 from distlm.model.gpt import GPT, skip_source, value_embed_table

@@ -20,7 +20,7 @@ from distlm.config import load_config
 from distlm.model.gpt import GPT
 from distlm.model.loss import lm_loss
 from distlm.parallel.parallelize import apply_activation_checkpointing
-from distlm.planner import COLLECTIVES, Layout, crossing_axes, estimate, explain, layouts, plan
+from distlm.planner import COLLECTIVES, Candidate, crossing_axes, estimate, explain, layouts, plan
 
 SMALL = ["model.vocab_size=512", "model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.d_ff=512",
          "model.block_size=128"]
@@ -59,16 +59,16 @@ def measured_peak_bytes(cfg, batch: int, ac: str, tmp_path) -> float:
 def test_estimate_within_25_percent_of_measured_peak(extra, batch, ac, tmp_path):
     cfg = load_config(None, SMALL + extra)
     measured = measured_peak_bytes(cfg, batch, ac, tmp_path)
-    est = estimate(cfg.model, Layout(1, 1, 1, 1, ac), batch, batch, 80, compute_bytes=4)
+    est = estimate(cfg.model, Candidate(1, 1, 1, 1, ac=ac), batch, batch, 80, compute_bytes=4)
     ratio = est.total_gb * 2**30 / measured
     assert 0.75 <= ratio <= 1.25, f"estimate {est.total_gb * 2**10:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
 
 
 def test_sharding_divides_model_state():
     cfg = load_config("gpt2-1.5b", ["model.vocab_size=50257", "model.n_head=20"])
-    one = estimate(cfg.model, Layout(4, 1, 1, 1), 64, 8, 80)
-    fsdp = estimate(cfg.model, Layout(1, 4, 1, 1), 64, 8, 80)
-    tp = estimate(cfg.model, Layout(2, 1, 2, 1), 64, 8, 80)
+    one = estimate(cfg.model, Candidate(4, 1, 1, 1), 64, 8, 80)
+    fsdp = estimate(cfg.model, Candidate(1, 4, 1, 1), 64, 8, 80)
+    tp = estimate(cfg.model, Candidate(2, 1, 2, 1), 64, 8, 80)
     assert fsdp.optim_gb == pytest.approx(one.optim_gb / 4, rel=1e-6)
     assert tp.activations_gb < one.activations_gb / 1.5  # TP + SP splits most saved tensors
     assert one.comm_gb > 0 and fsdp.comm_gb > one.comm_gb  # ZeRO-3 gathers parameters besides reducing
@@ -125,7 +125,7 @@ def test_measurements_file_is_well_formed():
 def estimate_record(r: dict):
     cfg = load_config(r["config"], r["overrides"])
     knobs = {k: r[k] for k in ("peak_tflops", "intra_gbs", "inter_gbs", "compute_bytes") if k in r}
-    return estimate(cfg.model, Layout(**r["layout"]), r["global_batch"], r["micro_batch"], r.get("gpu_mem_gb", 80),
+    return estimate(cfg.model, Candidate(**r["layout"]), r["global_batch"], r["micro_batch"], r.get("gpu_mem_gb", 80),
                     gpus_per_node=r["gpus_per_node"], **knobs)
 
 
@@ -200,13 +200,13 @@ def test_inter_node_model_against_two_nodes_on_one_host():
 
 
 @pytest.mark.parametrize("lay,gpn,axes", [
-    (Layout(1, 1, 2, 1), 1, ("tp",)),
-    (Layout(1, 4, 1, 1), 2, ("dp_shard",)),
-    (Layout(2, 2, 1, 1), 2, ("dp_replicate",)),
-    (Layout(2, 2, 2, 1), 4, ("dp_replicate",)),
-    (Layout(1, 2, 2, 2), 8, ()),
-    (Layout(1, 1, 8, 2), 8, ("pp",)),
-    (Layout(1, 1, 3, 1), 4, ("tp",)),  # groups of 3 straddle nodes of 4
+    (Candidate(1, 1, 2, 1), 1, ("tp",)),
+    (Candidate(1, 4, 1, 1), 2, ("dp_shard",)),
+    (Candidate(2, 2, 1, 1), 2, ("dp_replicate",)),
+    (Candidate(2, 2, 2, 1), 4, ("dp_replicate",)),
+    (Candidate(1, 2, 2, 2), 8, ()),
+    (Candidate(1, 1, 8, 2), 8, ("pp",)),
+    (Candidate(1, 1, 3, 1), 4, ("tp",)),  # groups of 3 straddle nodes of 4
 ])
 def test_crossing_axes_follow_the_mesh_order(lay, gpn, axes):
     assert crossing_axes(lay, gpn) == axes
@@ -215,8 +215,8 @@ def test_crossing_axes_follow_the_mesh_order(lay, gpn, axes):
 def test_hsdp_keeps_fsdp_traffic_inside_a_node():
     m = load_config("gpt2-1.5b", ["model.vocab_size=50257", "model.n_head=20"]).model
     kw = dict(gpus_per_node=2, intra_gbs=150, inter_gbs=25)
-    hsdp = estimate(m, Layout(2, 2, 1, 1), 64, 8, 80, **kw)
-    fsdp = estimate(m, Layout(1, 4, 1, 1), 64, 8, 80, **kw)
+    hsdp = estimate(m, Candidate(2, 2, 1, 1), 64, 8, 80, **kw)
+    fsdp = estimate(m, Candidate(1, 4, 1, 1), 64, 8, 80, **kw)
     assert hsdp.inter_axes == ("dp_replicate",) and fsdp.inter_axes == ("dp_shard",)
     # only the all-reduce of each GPU's half of the gradients leaves the node
     assert hsdp.inter_gb == pytest.approx(hsdp.sent_gb["dp_replicate"]) and hsdp.inter_gb < fsdp.inter_gb / 3
@@ -226,7 +226,7 @@ def test_hsdp_keeps_fsdp_traffic_inside_a_node():
     assert one_node and all(e.inter_gb == 0 and not e.inter_axes for e in one_node)
     # on one node FSDP4 is not slowed by the network, so it is the one ahead
     flat = {e.layout.name: e for e in one_node}
-    assert flat["fsdp4"].step_s == pytest.approx(estimate(m, Layout(1, 4, 1, 1), 64, 8, 80).step_s)
+    assert flat["fsdp4"].step_s == pytest.approx(estimate(m, Candidate(1, 4, 1, 1), 64, 8, 80).step_s)
     with pytest.raises(ValueError, match="gpus_per_node=3"):
         plan(m, 4, 80, 64, 8, gpus_per_node=3)
 

@@ -169,7 +169,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
     compute = step_s - (exposed or 0.0)
     result = {
         "device": device_name(device), "world_size": dims.world_size, "torch": torch.__version__,
-        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp},
+        "layout": dims.degrees(),
         "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "block_size": cfg.model.block_size,
                   # a pipeline rank holds only part of the model: count the whole one
                   "params": trainer.stepper.num_params(trainer.gpt, cfg, non_embedding=False)},

@@ -266,7 +266,7 @@ def plan(
 
     def resolve(lay):
         # what the Trainer's fast_defaults would make of each auto with this layout on this GPU
-        dims = ParallelDims(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, world_size=gpus)
+        dims = ParallelDims(**lay.degrees(), world_size=gpus)
         run = choose(updated(cfg, parallel={"activation_checkpoint": lay.ac, "pp_schedule": lay.schedule}),
                      device, dims).cfg
         return run.model, run.train.micro_batch_size

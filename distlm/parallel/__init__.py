@@ -1,4 +1,5 @@
 from distlm.parallel.dims import ParallelDims, init_distributed
 from distlm.parallel.parallelize import parallelize
+from distlm.parallel.plan import ParallelPlan
 
-__all__ = ["ParallelDims", "init_distributed", "parallelize"]
+__all__ = ["ParallelDims", "ParallelPlan", "init_distributed", "parallelize"]

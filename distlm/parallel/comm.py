@@ -11,11 +11,12 @@ class TorchComm:
         self.dims = dims
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Average over the data-parallel ranks (every rank of a TP/PP group holds the same value)."""
-        if self.dims.dp_size == 1:
+        """Average over the ranks the loss is a mean over (Layout.loss_axes: the data-parallel
+        ranks; every rank of a TP/PP group holds the same value)."""
+        if self.dims.loss_size == 1:
             return t
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.dims.dp_mesh.get_group())
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.dims.loss_mesh.get_group())
         return t
 
     def max(self, t: torch.Tensor) -> torch.Tensor:

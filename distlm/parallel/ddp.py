@@ -25,7 +25,7 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig) -> DDP
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("apply_ddp needs materialised parameters; pass parallelize(..., materialize=...)")
     device = next(model.parameters()).device
-    group = dims.mesh["dp_replicate"].get_group()
+    group = dims.mesh[dims.role_dim(dims.replicate_axes)].get_group()  # the replicas: Layout.replicate_axes
     ddp = DDP(model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=pcfg.ddp_bucket_mb,
               # Gradients live inside the communication buckets: no second copy of them.

@@ -1,4 +1,4 @@
-"""The topology object: degrees, one DeviceMesh with named axes, this rank's place.
+"""The topology object: the layout (degrees, distlm/layout/), one DeviceMesh with named axes, this rank's place.
 
 Passed explicitly to whatever needs it; never held as a global.
 Launch: ``torchrun --nproc_per_node 4 -m distlm train parallel.dp_shard=4``.
@@ -14,32 +14,29 @@ import torch
 import torch.distributed as dist
 
 from distlm.config import ConfigError, ParallelConfig
+from distlm.layout import MESH_ORDER, Layout
 
 
-@dataclass
-class ParallelDims:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
+@dataclass(kw_only=True)
+class ParallelDims(Layout):
+    """The layout this process runs (the degrees and every named question: distlm/layout/)
+    and its place in it. The degrees stay positional, ``ParallelDims(2, 1, 1, 1, world_size=2)``;
+    the rest is by keyword."""
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
     mesh: Optional[object] = field(default=None, repr=False)
-    dp_mesh: Optional[object] = field(default=None, repr=False)  # 1-D: dp_replicate x dp_shard flattened
+    dp_mesh: Optional[object] = field(default=None, repr=False)    # the data axes flattened ("dp")
+    loss_mesh: Optional[object] = field(default=None, repr=False)  # the loss axes flattened (the data mesh when the same)
 
     def __post_init__(self):
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.size
         if product != self.world_size:
+            degrees = " x ".join(f"{name}={k}" for name, k in self.degrees().items())
             raise ConfigError(
-                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                f"x pp={self.pp} = {product}, but the world size is {self.world_size}"
+                f"parallel degrees {degrees} = {product}, but the world size is {self.world_size}"
                 + (f"; add parallel.dp_replicate={self.world_size} (DDP) or parallel.dp_shard={self.world_size} "
                    f"(FSDP2)" if product == 1 else ""))
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
 
     @property
     def is_distributed(self) -> bool:
@@ -56,22 +53,40 @@ class ParallelDims:
         return self.dp_mesh.get_local_rank()
 
     def build_mesh(self, device_type: str, timeout_s: Optional[float] = None):
-        """One mesh, axes (pp, dp_replicate, dp_shard, tp); size-1 axes are kept so
-        every layout addresses the same names. 'dp' flattens the two data axes.
+        """One mesh, a dimension per axis in MESH_ORDER (pp, dp_replicate, dp_shard, tp); size-1
+        axes are kept so every layout addresses the same names. 'dp' flattens the data axes
+        (Layout.data_axes), and the loss mesh the axes the loss is averaged over.
 
         The mesh's sub-groups do not inherit the world group's timeout: without an
         explicit one they wait 30 min (gloo) or 10 min (NCCL) on a hang, and every
         FSDP/DDP collective runs on a sub-group. So each axis gets the timeout too.
         """
         from torch.distributed.device_mesh import init_device_mesh
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        names = MESH_ORDER
+        shape = tuple(getattr(self, n) for n in names)
         opts = _group_options(device_type, timeout_s)
         override = {n: opts for n, k in zip(names, shape) if k > 1} if opts is not None else {}
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
-        flat = {"backend_override": opts} if opts is not None and self.dp_size > 1 else {}
-        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp", **flat)
+        self.dp_mesh = self._flatten(self.data_axes, "dp", self.dp_size, opts)
+        self.loss_mesh = (self.dp_mesh if self.loss_axes == self.data_axes
+                          else self._flatten(self.loss_axes, "loss", self.loss_size, opts))
+        # A gradient role held by several axes (the data shards and a sequence axis, say) is
+        # one dimension to DDP and FSDP2: flattened here, addressed by role_dim.
+        for axes, size in ((self.replicate_axes, self.replicate_degree), (self.shard_axes, self.shard_degree)):
+            if len(axes) > 1:
+                self._flatten(axes, self.role_dim(axes), size, opts)
         return self.mesh
+
+    @staticmethod
+    def role_dim(axes: tuple[str, ...]) -> str:
+        """The mesh dimension a role's axes form: the one axis, or their flattened dimension."""
+        return axes[0] if len(axes) == 1 else "_".join(axes)
+
+    def _flatten(self, axes: tuple[str, ...], name: str, size: int, opts):
+        """The mesh dimensions ``axes`` as one (a collective on every rank: flattened in the
+        same order everywhere, by build_mesh)."""
+        flat = {"backend_override": opts} if opts is not None and size > 1 else {}
+        return self.mesh[axes]._flatten(name, **flat)
 
 
 def _group_options(device_type: str, timeout_s: Optional[float]):
@@ -103,7 +118,7 @@ def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dims = ParallelDims(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, world, rank, local_rank)
+    dims = ParallelDims(**Layout.of(cfg).degrees(), world_size=world, rank=rank, local_rank=local_rank)
     if world > 1:
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)

@@ -18,11 +18,13 @@ from distlm.parallel.dims import ParallelDims
 
 
 def fsdp_mesh(dims: ParallelDims):
-    """dp_shard alone, or the 2-D (dp_replicate, dp_shard) mesh: HSDP shards within a
-    group (a node, say) and all-reduces gradients across groups."""
-    if dims.dp_replicate > 1:
-        return dims.mesh["dp_replicate", "dp_shard"]
-    return dims.mesh["dp_shard"]
+    """The shard dimension alone (dp_shard), or the 2-D (replicate, shard) mesh: HSDP
+    shards within a group (a node, say) and all-reduces gradients across groups. The
+    dimensions are the layout's gradient roles (Layout.replicate_axes, Layout.shard_axes)."""
+    shard = dims.role_dim(dims.shard_axes)
+    if dims.replicate_degree > 1:
+        return dims.mesh[dims.role_dim(dims.replicate_axes), shard]
+    return dims.mesh[shard]
 
 
 def precision_policy(pcfg: ParallelConfig, device_type: str) -> MixedPrecisionPolicy:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from distlm.config import ConfigError, ParallelConfig
+from distlm.layout import Layout
 
 
 def _hvd():
@@ -57,7 +58,7 @@ def init_horovod(pcfg: ParallelConfig, device_type: str):
 
     hvd = _hvd()
     hvd.init()
-    if pcfg.dp_shard > 1 or pcfg.tp > 1 or pcfg.pp > 1:
+    if not Layout.of(pcfg).splits_nothing:
         raise ConfigError("parallel.engine=horovod does data parallelism only: leave parallel.dp_shard, tp and pp at 1")
     if pcfg.dp_replicate not in (1, hvd.size()):
         raise ConfigError(f"parallel.dp_replicate={pcfg.dp_replicate} but horovodrun started {hvd.size()} processes")

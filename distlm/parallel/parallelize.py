@@ -2,8 +2,9 @@
 
 Pipeline split (each rank keeps its stages), then TP, then activation checkpointing,
 then torch.compile per block, then FSDP2, then allocation + init (``materialize``),
-then DDP. Returns the model to train and the step engine that drives it
-(distlm/parallel/step.py): the Trainer never asks which layout it runs.
+then DDP. Returns the plan (distlm/parallel/plan.py): the model to train, the step engine
+that drives it (distlm/parallel/step.py), and what the step needs of the layout: the
+Trainer never asks which layout it runs.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn as nn
 
 from distlm.config import Config
 from distlm.parallel.dims import ParallelDims
+from distlm.parallel.plan import BatchHook, ParallelPlan
 from distlm.parallel.step import PipelineStep, PlainStep
 
 
@@ -49,22 +51,28 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
-                materialize: Optional[Callable[[nn.Module], None]] = None):
-    """Returns the model to train (a DDP wrapper, or ``model`` itself sharded in place),
-    and its step engine: a ``PipelineStep`` over the rank's stages under pipeline
-    parallelism, else a ``PlainStep``.
+                materialize: Optional[Callable[[nn.Module], None]] = None, *,
+                device: torch.device = torch.device("cpu"), amp_dtype: Optional[torch.dtype] = None) -> ParallelPlan:
+    """Returns the plan: the model to train (a DDP wrapper, or ``model`` itself sharded in
+    place), the plain module inside, and the step engine: a ``PipelineStep`` over the
+    rank's stages under pipeline parallelism, else a ``PlainStep``. ``device`` and
+    ``amp_dtype``: where and in which autocast dtype the plan's compute context runs.
 
     The order, written once: pipeline split (prune to this rank's stages), TP, activation
     checkpointing, compile, FSDP2, allocation + init, DDP. ``materialize(model)``
     allocates and initialises a meta-device model: after the sharding steps, so each rank
-    allocates only its shards, and before DDP, whose constructor needs real tensors.
+    allocates only its shards, and before DDP, whose constructor needs real tensors. An
+    axis whose ranks need each micro-batch changed adds its per-batch hook to ``hooks``
+    where it is applied (distlm/layout/__init__.py says how an axis is added).
     """
     pcfg = cfg.parallel
     parts = None
+    hooks: list[BatchHook] = []
     if dims.pp > 1:
         from distlm.parallel.pp import build_pipeline
         parts = build_pipeline(model, dims, pcfg, cfg.model)
         model = parts.model
+    inner = model
     if dims.tp > 1:
         from distlm.parallel.tp import apply_tp, enable_async_tp
         apply_tp(model, dims.mesh["tp"], pcfg)
@@ -78,12 +86,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parts.refresh_views()  # the views must hold the wrapped blocks
     # With TP or PP, replication goes through FSDP2 too (a (dp_replicate, dp_shard) mesh
     # whose shard axis may be 1): DDP cannot hold DTensors, nor drive a pipeline stage.
-    if dims.dp_shard > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1)):
+    if dims.shards_parameters or (dims.replicate_degree > 1 and not dims.holds_whole_model):
         from distlm.parallel.fsdp import apply_fsdp
         apply_fsdp(model, dims, pcfg, roots=parts.views if parts is not None else None)
     if materialize is not None:
         materialize(model)
-    if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1 and pcfg.engine == "torch":
+    if dims.replicate_degree > 1 and dims.splits_nothing and pcfg.engine == "torch":
         from distlm.parallel.ddp import apply_ddp
         model = apply_ddp(model, dims, pcfg)  # Horovod reduces itself
-    return model, (PipelineStep(model, parts) if parts is not None else PlainStep(model))
+    step = PipelineStep(model, parts) if parts is not None else PlainStep(model)
+    return ParallelPlan(model, inner, step, dims, device, amp_dtype,
+                        loss_parallel=dims.distributes_logits and pcfg.loss_parallel, batch_hooks=tuple(hooks))

@@ -6,7 +6,7 @@ micro-batch. ``PipelineStep`` hands the local batch to a ``torch.distributed.pip
 schedule, which splits it into microbatches and runs forward and backward across stages.
 Both give the Trainer the same four calls, so the Trainer has no pipeline branch:
 
-    bind(task, cfg, dims, device, accum_steps)    once, after the model is built
+    bind(task, cfg, plan, accum_steps)            once, after the model is built
     forward_backward(micro, compute, sync_grads)  -> mean loss of the local batch
     eval_losses(batches, compute)                 -> (sum of loss x rows, rows) on this rank
     clip(max_norm)                                -> global gradient norm before clipping
@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from distlm.model.gpt import count_params
 from distlm.parallel.grad import clip_grad_norm, grad_sync
+from distlm.parallel.plan import Batch
 
 
 def loss_value(t: torch.Tensor) -> torch.Tensor:
@@ -36,16 +37,19 @@ class PlainStep:
         self.model = model
         self.loss = None
 
-    def bind(self, task, cfg, dims, device: torch.device, accum_steps: int) -> None:
-        self.loss = task.loss_fn(cfg, dims)
-        self.device = device
+    def bind(self, task, cfg, plan, accum_steps: int) -> None:
+        """``plan``: the ParallelPlan this step belongs to (its loss choice, per-batch hook, device)."""
+        self.loss = task.loss_fn(cfg, plan)
+        self.shard_batch = plan.shard_batch
+        self.device = plan.device
 
     def forward_backward(self, micro: list, compute, sync_grads: bool = True) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
+            b = self.shard_batch(x, y)
             # Gradients are reduced once, in the last micro-batch's backward.
             with grad_sync(self.model, enabled=sync_grads and i == len(micro) - 1), compute():
-                loss = self.loss(self.model, x, y) / len(micro)
+                loss = self.loss(self.model, b.inputs, b.targets, **b.forward) / len(micro)
                 loss.backward()
             loss_sum += loss_value(loss.detach())
         return loss_sum
@@ -57,9 +61,10 @@ class PlainStep:
         total = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
         for x, y, w in batches:
+            b = self.shard_batch(x.to(self.device), y.to(self.device))
             with compute():
                 # detached: evaluated through the training graphs, autograd records each loss
-                total += loss_value(self.loss(self.model, x.to(self.device), y.to(self.device))).detach() * w
+                total += loss_value(self.loss(self.model, b.inputs, b.targets, **b.forward)).detach() * w
             count += w
         return total, count
 
@@ -78,21 +83,30 @@ class PipelineStep:
     def n_microbatches(self) -> int:
         return self.parts.n_microbatches
 
-    def bind(self, task, cfg, dims, device: torch.device, accum_steps: int) -> None:
+    def bind(self, task, cfg, plan, accum_steps: int) -> None:
         from distlm.parallel.pp import make_schedule
-        self.device = device
+        self.device = plan.device
         self.per_step = accum_steps
-        make_schedule(self.parts, cfg.parallel, cfg.parallel.pp_microbatches or accum_steps, device,
-                      task.pipeline_loss(cfg))
+        self.shard_batch = plan.shard_batch
+        make_schedule(self.parts, cfg.parallel, cfg.parallel.pp_microbatches or accum_steps, self.device,
+                      task.pipeline_loss(cfg, plan))
+
+    def _local_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
+        """The concatenated micro-batches through the plan's per-batch hook. The schedule
+        calls each stage with the residual stream alone: a hook that needs arguments for
+        the forward (a sequence shard) cannot run under a pipeline."""
+        b = self.shard_batch(x, y)
+        if b.forward:
+            raise ValueError(f"a pipeline stage takes no forward arguments, got {sorted(b.forward)}")
+        return b
 
     def forward_backward(self, micro: list, compute, sync_grads: bool = True) -> torch.Tensor:
         """The local batch through the schedule (it cuts the microbatches), the tied
         gradients summed; the last stage's mean loss comes back on every rank."""
         from distlm.parallel.pp import run_pipeline, sync_tied_grads
-        x = torch.cat([m[0] for m in micro])
-        y = torch.cat([m[1] for m in micro])
+        b = self._local_batch(torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro]))
         with compute():
-            loss = run_pipeline(self.parts, x, y, train=True)
+            loss = run_pipeline(self.parts, b.inputs, b.targets, train=True)
         sync_tied_grads(self.parts)
         return self._loss_to_all(loss)
 
@@ -110,11 +124,11 @@ class PipelineStep:
             group.append(item)
             if len(group) < self.per_step:
                 continue
-            x = torch.cat([b[0] for b in group]).to(self.device)
-            y = torch.cat([b[1] for b in group]).to(self.device)
+            b = self._local_batch(torch.cat([g[0] for g in group]).to(self.device),
+                                  torch.cat([g[1] for g in group]).to(self.device))
             with compute():
-                loss = run_pipeline(self.parts, x, y, train=False)
-            rows = sum(b[2] for b in group)
+                loss = run_pipeline(self.parts, b.inputs, b.targets, train=False)
+            rows = sum(g[2] for g in group)
             total += self._loss_to_all(loss) * rows
             count += rows
             group = []

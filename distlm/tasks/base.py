@@ -45,11 +45,15 @@ class Task(Protocol):
     def build_loader(self, cfg: Config, dims, device: torch.device):
         """This rank's batches: ``next()``, ``accum_steps``, ``state_dict()``/``load_state_dict()``."""
 
-    def loss_fn(self, cfg: Config, dims) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``loss(model, x, y)``, the mean loss of one micro-batch, as the plain step computes it."""
+    def loss_fn(self, cfg: Config, plan) -> Callable[..., torch.Tensor]:
+        """``loss(model, x, y, **forward)``, the mean loss of one micro-batch, as the plain step
+        computes it; ``forward``: keyword arguments for the model from the plan's per-batch hook
+        (none unless an axis splits the rows). ``plan`` (distlm/parallel/plan.py) says whether
+        the model may compute its own loss (``model_computes_loss``)."""
 
-    def pipeline_loss(self, cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``loss(logits, y)`` on the last pipeline stage."""
+    def pipeline_loss(self, cfg: Config, plan) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``loss(logits, y)`` on the last pipeline stage (``plan.distributes_logits``: the
+        logits are DTensors)."""
 
     def evaluate(self, trainer) -> float:
         """The validation loss (collective); may log more (accuracy, confusion). The Trainer

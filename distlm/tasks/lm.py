@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from distlm.config import Config, ConfigError, check_model_split, updated
+from distlm.config import Config, ConfigError, updated
 from distlm.data import DataError, fit_vocab, load_manifest
 from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
 from distlm.io import atomic_write_dir
+from distlm.layout import check_model_split
 from distlm.model.gpt import GPT
 from distlm.model.loss import lm_loss
 from distlm.tasks.base import Resolved
@@ -112,18 +113,19 @@ class LMTask:
                 self.val_split = {"": TokenBlocks(self.data_dir, "val", m.block_size, self.manifest)}
         return BatchLoader(blocks, synthetic_vocab=m.vocab_size, block_size=m.block_size, **batch)
 
-    def loss_fn(self, cfg: Config, dims):
-        # Without TP the model computes its own loss (GPT.head_loss): the head and the
-        # cross-entropy compile with the forward and can run chunked (model.loss_chunk).
-        # Under TP the logits are vocabulary-sharded DTensors for loss_parallel.
-        if dims.tp == 1:
-            return lambda model, x, y: model(x, targets=y)
-        return lambda model, x, y: lm_loss(model(x), y)
+    def loss_fn(self, cfg: Config, plan):
+        # Where the plan lets it, the model computes its own loss (GPT.head_loss): the head
+        # and the cross-entropy compile with the forward and can run chunked
+        # (model.loss_chunk). Else the logits are vocabulary-sharded DTensors for
+        # loss_parallel (TP). ``forward``: the plan's per-batch arguments for the model.
+        if plan.model_computes_loss:
+            return lambda model, x, y, **forward: model(x, targets=y, **forward)
+        return lambda model, x, y, **forward: lm_loss(model(x, **forward), y)
 
-    def pipeline_loss(self, cfg: Config):
-        # Compiled, the fp32 cast, log-softmax and gather fuse into one pass; under TP the
-        # logits are DTensors for loss_parallel, which runs eager.
-        return torch.compile(lm_loss) if cfg.train.compile and cfg.parallel.tp == 1 else lm_loss
+    def pipeline_loss(self, cfg: Config, plan):
+        # Compiled, the fp32 cast, log-softmax and gather fuse into one pass; logits that
+        # are DTensors (TP's loss_parallel) run eager.
+        return torch.compile(lm_loss) if cfg.train.compile and not plan.distributes_logits else lm_loss
 
     # ---- evaluation -----------------------------------------------------------------
     def evaluates_with_training_loss(self, cfg: Config) -> bool:
@@ -164,7 +166,7 @@ class LMTask:
         n = trainer.cfg.log.samples
         if not n or self.tokenizer is None:
             return []
-        why = smp.why_not(trainer.gpt, trainer.dims)
+        why = trainer.plan.why_no_samples
         if why is not None:
             if not self._no_samples_noted:
                 self._no_samples_noted = True

@@ -11,13 +11,14 @@ three evaluations that then take about a second each. Three ways to evaluate:
                      micro-batch's loss detached at once so its graph is freed with it. Only
                      for a model without dropout, which computes the same function in either
                      mode, whose task evaluates with its training loss on training-sized
-                     micro-batches (the language model), and on one process or DDP (FSDP2, TP
-                     and pipeline stages keep their own per-forward state for a backward).
+                     micro-batches (the language model), and where the plan says the forward
+                     is not split (one process or DDP: FSDP2, TP and pipeline stages keep
+                     their own per-forward state for a backward).
                      It costs a training forward's activations for one micro-batch (the step
                      already holds as much) and a forward slower than a no-grad graph's; it
                      saves the compile.
 
-``evaluation_for(cfg, dims, task)`` picks one; a compiled run prints its choice (an
+``evaluation_for(cfg, plan, task)`` picks one; a compiled run prints its choice (an
 ``evaluation:`` line). The validation loss is the same either way (tests/test_trainer.py).
 """
 from __future__ import annotations
@@ -54,11 +55,13 @@ class TrainingGraphEval:
             yield
 
 
-def evaluation_for(cfg, dims, task):
+def evaluation_for(cfg, plan, task):
+    """``plan``: the ParallelPlan (distlm/parallel/plan.py), whether its layout lets the
+    training graphs evaluate."""
     t = cfg.train
     if t.compile and not t.eval_compile:
         return NoGradEval(eager=True)
-    if (t.compile and cfg.model.dropout == 0 and dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1
+    if (t.compile and cfg.model.dropout == 0 and plan.evaluates_through_training_graph
             and task.evaluates_with_training_loss(cfg)):
         return TrainingGraphEval()
     return NoGradEval(eager=False)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from distlm.config import Config, ConfigError, updated
 from distlm.model.memory import GIB
-from distlm.planner import Estimate, Layout, estimate
+from distlm.planner import Candidate, Estimate, estimate
 
 # docs/results/speed.md: with the whole forward compiled, as fast as 4096 and as the whole
 # logits (within 0.4%), with 11-14% less peak memory; the best single-GPU figure used it.
@@ -72,8 +72,8 @@ class Choice:
 
 
 def choose(cfg: Config, dev: Device, dims) -> Choice:
-    """Each auto of ``cfg`` made a value for ``dev`` and the layout ``dims`` (a ParallelDims,
-    or anything with its degrees and world_size):
+    """Each auto of ``cfg`` made a value for ``dev`` and the layout ``dims`` (a ParallelDims:
+    a Layout, distlm/layout/, whose named questions decide, and its world_size):
 
         train.compile          on CUDA, off on CPU
         train.compile_scope    model (the whole forward one graph) on 1 GPU, DDP or Horovod;
@@ -87,14 +87,13 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
     """
     t, m = cfg.train, cfg.model
     cuda = dev.type == "cuda"
-    unsplit = dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1
     chosen: dict[str, Any] = {}
     if t.compile is None:
         chosen["train.compile"] = cuda
     if t.compile_scope is None:
-        chosen["train.compile_scope"] = "model" if unsplit else "block"
+        chosen["train.compile_scope"] = "block" if dims.splits_forward else "model"
     if m.loss_chunk is None:
-        own_loss = dims.tp == 1 and dims.pp == 1 and cfg.task.name == "lm"
+        own_loss = dims.model_computes_loss and cfg.task.name == "lm"
         chosen["model.loss_chunk"] = LOSS_CHUNK if cuda and own_loss else 0
     cfg = _with(cfg, chosen)
     est, fits = None, True
@@ -122,22 +121,16 @@ def _with(cfg: Config, chosen: dict[str, Any]) -> Config:
 
 
 def _micro_batch(cfg: Config, dev: Device, dims) -> tuple[int, Optional[Estimate], bool]:
-    t, p = cfg.train, cfg.parallel
+    t = cfg.train
     if t.global_batch_size % dims.dp_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the data-parallel "
                           f"degree {dims.dp_size}, so that every rank gets a whole local batch")
     local = t.global_batch_size // dims.dp_size
     if dev.type != "cuda":
         return max(d for d in range(1, min(local, CPU_MICRO_CAP) + 1) if local % d == 0), None, True
-    sizes = [d for d in range(min(local, GPU_MICRO_CAP), 0, -1) if local % d == 0]
-    if dims.pp > 1 and p.pp_microbatches:
-        # The schedule cuts the local batch into pp_microbatches pieces whatever the loader
-        # hands it: micro-batches of that size are the ones that run.
-        sizes = [local // p.pp_microbatches]
-    elif dims.pp > 1:
-        # Fewer microbatches than stages leaves stages idle for most of the step, and the
-        # interleaved schedules take a multiple of the stage count.
-        sizes = [d for d in sizes if (local // d) % dims.pp == 0] or sizes
+    # What the layout runs, best first: under PP a whole number of microbatches per stage
+    # (distlm/layout/pipeline.py).
+    sizes = dims.micro_batch_sizes([d for d in range(min(local, GPU_MICRO_CAP), 0, -1) if local % d == 0], local, cfg)
     est = None
     for micro in sizes:
         est = memory_estimate(cfg, dev, dims, micro)
@@ -152,8 +145,8 @@ def memory_estimate(cfg: Config, dev: Device, dims, micro: int) -> Estimate:
     p = cfg.parallel
     model = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=GPT2_VOCAB)
     # selective checkpointing keeps half the blocks' activations: counted as none, the safe side
-    lay = Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
-                 ac="full" if p.activation_checkpoint == "full" else "none", schedule=p.pp_schedule)
+    lay = Candidate(**dims.degrees(), ac="full" if p.activation_checkpoint == "full" else "none",
+                    schedule=p.pp_schedule)
     from distlm.train.setup import autocast_dtype
     compute_bytes = 2 if autocast_dtype(cfg, dev) is not None else 4
     return estimate(model, lay, cfg.train.global_batch_size, micro, dev.free_gib, compute_bytes=compute_bytes,
@@ -169,7 +162,7 @@ def _line(chosen: dict[str, Any], dev: Device, dims, est: Optional[Estimate], fi
     unit = ("GPU", "GPUs") if dev.type == "cuda" else ("process", "processes")
     where = f"{dev.type}, {n} {unit[n > 1]}"
     if n > 1:
-        where += ", " + Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp).name
+        where += ", " + dims.name
     text = f"fast defaults ({where}): " + ", ".join(f"{k}={_show(v)}" for k, v in chosen.items())
     if est is not None:
         text += f" (est. {est.total_gb:.1f} GiB of {dev.free_gib:.3g} GiB free)"

@@ -159,9 +159,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str,
     # (and under PP on the stage), never on the data/tensor-parallel layout.
     groups = [g for g in groups if g["params"]]
     # Under DDP the matrices are replicated plain tensors: the Newton-Schulz work is spread
-    # over the DDP group. FSDP2/TP parameters are DTensors and carry their own mesh.
-    from torch.nn.parallel import DistributedDataParallel
-    group = model.process_group if isinstance(model, DistributedDataParallel) else None
+    # over the group the wrapper names (DDP's process_group, its replicas). FSDP2/TP
+    # parameters are DTensors and carry their own mesh; an unwrapped model names none.
+    group = getattr(model, "process_group", None)
     if ns_dtype is None:
         ns_dtype = ns_dtype_for(cfg, torch.device(device_type)).dtype
     return Muon(groups, lr=cfg.lr, process_group=group, ns_dtype=ns_dtype)

@@ -10,13 +10,12 @@ Generation needs the whole model in one process: one process, DDP and Horovod ha
 Under FSDP2, tensor or pipeline parallelism a rank holds a shard or a stage; gathering the
 whole model onto the main rank at every evaluation would cost the memory and traffic the
 layout was chosen to avoid (and under PP a gather across stages), so those runs note once
-that they skip samples, and `distlm generate` samples their checkpoints (it loads any layout
-into one process).
+that they skip samples (the reason is the plan's: ``ParallelPlan.why_no_samples``), and
+`distlm generate` samples their checkpoints (it loads any layout into one process).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -31,16 +30,6 @@ def describe(n: int) -> str:
     """How the samples are drawn, for their header."""
     seeds = "seed 0" if n == 1 else f"seeds 0-{n - 1}"
     return f"{MAX_NEW_TOKENS} new tokens, temperature {TEMPERATURE}, top-k {TOP_K}, {seeds}"
-
-
-def why_not(gpt: torch.nn.Module, dims) -> Optional[str]:
-    """Why this rank cannot sample from ``gpt`` alone (None: it can)."""
-    from torch.distributed.tensor import DTensor
-    if dims.pp > 1:
-        return "under pipeline parallelism each rank holds a stage, not the whole model"
-    if any(isinstance(p, DTensor) for p in gpt.parameters()):
-        return "under FSDP2 or tensor parallelism each rank holds shards of the weights, not the whole model"
-    return None
 
 
 @torch.no_grad()

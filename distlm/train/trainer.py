@@ -2,6 +2,8 @@
 (language model, classifier) is this loop; what differs is held by objects it is given:
 
     task      what is trained on what (distlm/tasks/): data, model, loss, evaluation
+    plan      what parallelize() made of the model (distlm/parallel/plan.py): the model to
+              train, the compute context, the per-batch hook, the layout's answers
     stepper   how a global batch becomes gradients (distlm/parallel/step.py): plain or pipeline
     engine    who reduces gradients and writes checkpoints (distlm/parallel/engine.py)
 
@@ -39,7 +41,7 @@ from distlm.train.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import autocast_dtype, build_model, compute_context, resolve_device
+from distlm.train.setup import autocast_dtype, build_model, resolve_device
 
 
 class Trainer:
@@ -83,12 +85,13 @@ class Trainer:
         check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
         # three laps: model plan, weights, data-parallel wrap
-        self.model, self.gpt, self.stepper = build_model(cfg, self.dims, self.device, self.task, clock)
+        self.plan = build_model(cfg, self.dims, self.device, self.task, clock)
+        self.model, self.gpt, self.stepper = self.plan.model, self.plan.module, self.plan.step
         self.optimizer = build_optimizer(self.model, cfg.train, self.device.type)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
         self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
-        self.stepper.bind(self.task, cfg, self.dims, self.device, self.loader.accum_steps)
-        self.evaluation = evaluation_for(cfg, self.dims, self.task)
+        self.stepper.bind(self.task, cfg, self.plan, self.loader.accum_steps)
+        self.evaluation = evaluation_for(cfg, self.plan, self.task)
         if cfg.train.compile and self.dims.is_main:
             print(f"evaluation: {self.evaluation.describe}", flush=True)
         clock.lap("optimizer and data loader")
@@ -186,8 +189,9 @@ class Trainer:
 
     # ---- the step -----------------------------------------------------------------
     def compute(self):
-        """The context every forward and backward runs under: see setup.compute_context."""
-        return compute_context(self.device, self.amp_dtype, self.dims.tp > 1 and self.cfg.parallel.loss_parallel)
+        """The context every forward and backward runs under: the plan's (autocast, attention
+        backend, loss parallel: distlm/parallel/plan.py)."""
+        return self.plan.compute()
 
     def train_step(self, mark=None, sync_grads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over one global batch. Returns (mean loss, grad norm), on device.

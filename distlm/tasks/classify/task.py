@@ -100,10 +100,10 @@ class ClassifyTask:
                               micro_batch=t.micro_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
                               pin_memory=device.type == "cuda")
 
-    def loss_fn(self, cfg: Config, dims):
+    def loss_fn(self, cfg: Config, plan):
         return lambda model, x, y: classify_loss(model(x), y)
 
-    def pipeline_loss(self, cfg: Config):
+    def pipeline_loss(self, cfg: Config, plan):
         raise ConfigError("task.name=classify does not run under pipeline parallelism")
 
     def write_run_files(self, run_dir: Path) -> None:

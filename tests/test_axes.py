@@ -1,0 +1,175 @@
+"""The parallel layout (distlm/layout/) and the plan parallelize() returns (distlm/parallel/plan.py):
+the named questions each layout answers, the registry's consistency, that an axis is added by
+registration alone, and the per-batch hook the step runs every micro-batch through."""
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import distlm.layout as layout_pkg
+from distlm.config import ParallelConfig, load_config
+from distlm.layout import AXES, MESH_ORDER, Axis, Layout
+from distlm.parallel import ParallelDims, parallelize
+from distlm.parallel.plan import Batch
+
+PARTIAL_SHARDS = "under FSDP2 or tensor parallelism each rank holds shards of the weights, not the whole model"
+PARTIAL_STAGES = "under pipeline parallelism each rank holds a stage, not the whole model"
+
+
+# ---- the named questions -----------------------------------------------------------------
+@pytest.mark.parametrize("lay, name, dp, unsplit, forward, shards, own_loss, logits, partial", [
+    (Layout(), "single", 1, True, False, False, True, False, None),
+    (Layout(dp_replicate=4), "ddp4", 4, True, False, False, True, False, None),
+    (Layout(dp_shard=4), "fsdp4", 4, False, True, True, True, False, PARTIAL_SHARDS),
+    (Layout(dp_replicate=2, dp_shard=2), "ddp2xfsdp2", 4, False, True, True, True, False, PARTIAL_SHARDS),
+    (Layout(tp=2), "tp2", 1, False, True, False, False, True, PARTIAL_SHARDS),
+    (Layout(pp=2), "pp2", 1, False, True, False, False, False, PARTIAL_STAGES),
+    # the outermost axis answers first: a stage, although its blocks are sharded too
+    (Layout(dp_shard=2, tp=2, pp=2), "fsdp2xtp2xpp2", 2, False, True, True, False, True, PARTIAL_STAGES),
+])
+def test_each_layout_answers_by_name(lay, name, dp, unsplit, forward, shards, own_loss, logits, partial):
+    assert lay.name == name and lay.dp_size == dp
+    assert lay.splits_nothing is unsplit and lay.splits_forward is forward and lay.shards_parameters is shards
+    assert lay.model_computes_loss is own_loss and lay.distributes_logits is logits
+    assert lay.why_not_whole_model == partial and lay.holds_whole_model is (partial is None)
+    assert lay.splits_sequence is False  # no axis of today cuts the rows
+
+
+def test_the_meshes_each_role_uses():
+    lay = Layout(dp_replicate=2, dp_shard=2, tp=2, pp=2)
+    assert lay.data_axes == lay.loss_axes == ("dp_replicate", "dp_shard")
+    assert (lay.replicate_axes, lay.shard_axes) == (("dp_replicate",), ("dp_shard",))
+    assert lay.gradient_axes == ("dp_replicate", "dp_shard") and lay.size == 16
+    assert lay.overrides() == "parallel.dp_replicate=2 parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"
+
+
+def test_sequence_divisor_and_micro_batches():
+    sp = load_config(None, ["model.vocab_size=256", "parallel.tp=2"])
+    no_sp = load_config(None, ["model.vocab_size=256", "parallel.tp=2", "parallel.sequence_parallel=false"])
+    assert Layout(tp=2).sequence_divisor(sp) == 2 and Layout(tp=2).sequence_divisor(no_sp) == 1
+    assert Layout().sequence_divisor(sp) == 1
+    cfg = load_config(None, ["model.vocab_size=256", "parallel.pp=2", "train.global_batch_size=16"])
+    sizes = [16, 8, 4, 2, 1]
+    assert Layout(pp=2).micro_batch_sizes(sizes, 16, cfg) == [8, 4, 2, 1]  # a whole number per stage
+    assert Layout().micro_batch_sizes(sizes, 16, cfg) == sizes
+    fixed = load_config(None, ["model.vocab_size=256", "parallel.pp=2", "train.global_batch_size=16",
+                               "parallel.pp_microbatches=4"])
+    assert Layout(pp=2).micro_batch_sizes(sizes, 16, fixed) == [4]  # what the schedule cuts
+
+
+# ---- the registry -----------------------------------------------------------------------------
+def test_every_axis_is_registered_everywhere():
+    """An axis in the registry has its degree in the config, in Layout and in the mesh."""
+    names = [a.name for a in AXES]
+    assert len(set(names)) == len(names) and sorted(MESH_ORDER) == sorted(names)
+    assert [f.name for f in dataclasses.fields(Layout)] == names
+    assert all(hasattr(ParallelConfig(), n) for n in names)
+    assert all(a.label and a.gradients in (None, "replicate", "shard") for a in AXES)
+    assert MESH_ORDER[-1] == "tp"  # innermost: TP's collectives on consecutive ranks
+    assert Layout.of(ParallelConfig(tp=2, pp=3)) == Layout(tp=2, pp=3)
+
+
+def test_parallel_dims_is_the_layout_with_a_place_in_it():
+    dims = ParallelDims(2, 1, 1, 1, world_size=2, rank=1)
+    assert isinstance(dims, Layout) and dims.degrees() == Layout(dp_replicate=2).degrees()
+    assert dims.splits_nothing and not dims.is_main and dims.dp_rank == 0  # no mesh: one data rank
+    with pytest.raises(Exception, match=r"dp_replicate=1 x dp_shard=1 x tp=1 x pp=1 = 1, but the world size is 2; "
+                                        r"add parallel.dp_replicate=2 \(DDP\)"):
+        ParallelDims(world_size=2)
+
+
+class Sequence(Axis):
+    """An axis as a sequence-parallel one would register (distlm/layout/__init__.py's recipe)."""
+    name, label = "cp", "cp"
+    splits_sequence = True
+    averages_loss = True
+    gradients = "shard"
+
+    def sequence_divisor(self, cfg, degree: int) -> int:
+        return 2 * degree
+
+
+@dataclass
+class WithSequence(Layout):
+    cp: int = 1
+
+
+def test_an_axis_joins_by_registration(monkeypatch):
+    """A new axis is its class, its degree field and two registry entries: every named
+    question, the roles' meshes, the name and the row divisor follow."""
+    cfg = load_config(None, ["model.vocab_size=256"])  # read before the registry changes: no parallel.cp in it
+    monkeypatch.setattr(layout_pkg, "AXES", layout_pkg.AXES[:2] + (Sequence(),) + layout_pkg.AXES[2:])
+    monkeypatch.setattr(layout_pkg, "MESH_ORDER", ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    lay = WithSequence(dp_shard=2, cp=2, tp=2)
+    assert lay.name == "fsdp2xcp2xtp2" and lay.size == 8
+    assert lay.splits_sequence and not lay.splits_nothing
+    assert lay.data_axes == ("dp_replicate", "dp_shard") and lay.dp_size == 2   # cp ranks read the same rows
+    assert lay.loss_axes == ("dp_replicate", "dp_shard", "cp") and lay.loss_size == 4
+    assert lay.shard_axes == ("dp_shard", "cp") and lay.shard_degree == 4
+    assert lay.sequence_divisor(cfg) == 2 * 2 * 2  # 2 cp chunks per rank, then TP's sequence parallelism
+    assert WithSequence(cp=2).holds_whole_model and WithSequence(cp=2).shards_parameters
+
+
+# ---- the plan and its per-batch hook ------------------------------------------------------------
+def one_process_plan():
+    cfg = load_config(None, ["model.vocab_size=64", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+                             "model.d_ff=64", "model.block_size=8"])
+    from distlm.model.gpt import GPT
+    with torch.device("meta"):
+        gpt = GPT(cfg.model)
+
+    def materialize(m):
+        m.to_empty(device=torch.device("cpu"))
+        m.init_weights(cfg.train.seed)
+
+    return cfg, parallelize(gpt, ParallelDims(), cfg, materialize)
+
+
+def test_one_process_plan_answers():
+    cfg, plan = one_process_plan()
+    assert plan[0] is plan.model and plan.module is plan.model  # nothing wrapped
+    assert plan.batch_hooks == () and not plan.loss_parallel
+    assert plan.model_computes_loss and plan.evaluates_through_training_graph and plan.why_no_samples is None
+    x, y = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    b = plan.shard_batch(x, y)
+    assert b.inputs is x and b.targets is y and b.forward == {}  # identity: no axis cuts the rows
+    with plan.compute():
+        assert not torch.is_autocast_enabled("cpu")  # fp32 on CPU
+
+
+class RecordingTask:
+    """The step's view of a task: a loss that records what it was called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def loss_fn(self, cfg, plan):
+        def loss(model, x, y, **forward):
+            self.calls.append((x.clone(), y.clone(), dict(forward)))
+            return model(x, targets=y)
+        return loss
+
+
+def test_the_step_runs_every_micro_batch_through_the_hooks():
+    """What a sequence axis will do: keep a part of each row and hand the model its
+    positions. The step must pass both to the loss, in training and in evaluation."""
+    cfg, plan = one_process_plan()
+
+    def first_half(b: Batch) -> Batch:
+        T = b.inputs.shape[1] // 2
+        return Batch(b.inputs[:, :T], b.targets[:, :T], {**b.forward, "start_pos": 0})
+
+    def tag(b: Batch) -> Batch:
+        return b._replace(forward={**b.forward, "seen": True})
+
+    plan = plan._replace(batch_hooks=(first_half, tag))
+    task = RecordingTask()
+    plan.step.bind(task, cfg, plan, accum_steps=2)
+    x = torch.arange(16).view(2, 8) % 64
+    plan.step.forward_backward([(x, x), (x + 1, x + 1)], plan.compute)
+    plan.step.eval_losses([(x, x, 1.0)], plan.compute)
+    assert len(task.calls) == 3
+    for (got_x, got_y, forward), want in zip(task.calls, (x, x + 1, x)):
+        assert torch.equal(got_x, want[:, :4]) and torch.equal(got_y, want[:, :4])
+        assert forward == {"start_pos": 0, "seen": True}  # in hook order
