@@ -59,6 +59,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.nn.attention.bias import causal_lower_right
 
 from distlm.model.attention import AttentionOverride, document_ids
+from distlm.parallel.plan import Batch, BatchHook
 
 
 def chunk_len(seq_len: int, cp: int) -> int:
@@ -207,3 +208,17 @@ class ShardedAttention(AttentionOverride):
             d = self.docs.to(device)
             ok = ok & (d[:, None, q_lo:q_lo + c, None] == d[:, None, None, k_lo:k_hi])
         return ok, False
+
+
+def apply_context(dims) -> BatchHook:
+    """The per-batch hook of a layout with parallel.cp > 1 (distlm/parallel/plan.py): every
+    micro-batch's rows, the same on each rank of the cp group (the loader's data mesh leaves
+    cp out), become this rank's part of them, and the model gets the ``shard`` that places
+    those tokens in their rows."""
+    cp = ContextParallel(dims.mesh["cp"].get_group())
+
+    def hook(batch: Batch) -> Batch:
+        x, y, shard = cp.shard(batch.inputs, batch.targets)
+        return Batch(x, y, {**batch.forward, "shard": shard})
+
+    return hook
