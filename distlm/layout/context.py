@@ -44,4 +44,4 @@ class Context(Axis):
             raise ConfigError(f"train.seq_warmup_start={t.seq_warmup_start} is not divisible by {divisor}: {why}")
 
     def sequence_divisor(self, cfg, degree: int) -> int:
-        return 2 * degree
+        return 2 * degree if degree > 1 else 1  # a head and a tail chunk per rank
