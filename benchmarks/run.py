@@ -3,7 +3,7 @@
     python benchmarks/run.py SUITE [--gpus N] [--out DIR] [--dry-run] [--cpu] [suite options]
     python benchmarks/run.py --list
 
-SUITE is one of throughput, scaling, time-to-loss, layouts, prepare, multi-node
+SUITE is one of throughput, scaling, time-to-loss, layouts, prepare, multi-node, context
 (`python benchmarks/run.py SUITE --help` gives each one's options). Every step a suite plans is
 run in turn, from the repository root, with this checkout's distlm first on PYTHONPATH. Each
 step gets a folder OUT/SUITE/<UTC time>-<step>/ holding command.txt, log.txt and whatever the

@@ -4,9 +4,12 @@
         [--sizes 1,2,4] [--large gpt2-1.5b@16384] [--loss-curves 300] [--curve-context 8192]
 
 Throughput: one `distlm bench` per (context T, GPUs n), each a single row of T tokens split over
-n GPUs (parallel.cp=n; n = 1 is one GPU holding the whole row), with compile, the chunked loss
-and full activation checkpointing, so the longest context that fits shows. A run that does not
-fit ends with an out-of-memory error: its log says so and results.jsonl keeps its exit status.
+n GPUs (parallel.cp=n; n = 1 is one GPU holding the whole row), compiled, with the chunked loss
+and without activation checkpointing (`--set parallel.activation_checkpoint=full` adds it), so
+memory shows what each GPU keeps. A run that does not fit ends with an out-of-memory error: its
+log says so and results.jsonl keeps its exit status. `distlm plan` gives the estimates to set
+beside them (e.g. `distlm plan --config llama-124m --gpus 4 --global-batch 1 --micro-batch 1
+model.block_size=131072`).
 The default model is llama-124m (rotary positions: GPT-2's learned table would need a row per
 position, 100M parameters at 128k). --large CONFIG@T runs CONFIG at T tokens on all GPUs
 (gpt2-1.5b at 16k: parallel.cp=4, and beside it FSDP2 over 4 GPUs with a whole row each).
@@ -19,7 +22,7 @@ from __future__ import annotations
 from run import Context, Step
 from suites import add_common, int_list
 
-FAST = ["train.compile=true", "model.loss_chunk=8192", "parallel.activation_checkpoint=full"]
+FAST = ["train.compile=true", "model.loss_chunk=8192"]
 
 
 def add_arguments(p) -> None:
