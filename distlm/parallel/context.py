@@ -1,10 +1,12 @@
 """Context parallelism: each rank of a cp group holds a part of every sequence.
 
+    torchrun --nproc_per_node 4 -m distlm train --config llama-124m model.block_size=32768 parallel.cp=4
+
 With ``cp`` ranks the sequence of length T is cut into 2*cp chunks of c = T / (2 cp)
 tokens, and rank r holds chunks r and 2cp-1-r (a head chunk and a tail chunk). Under a
 causal mask the work of a query grows with its position; pairing chunk r with its mirror
-gives every rank the same number of (query, key) pairs, (2cp + 1) c^2 per head, where a
-plain split in cp pieces would leave the last rank 2cp - 1 times the first's.
+gives every rank the same number of visible (query, key) pairs, 2cp c^2 + c per head, where
+a plain split in cp pieces would leave the last rank about 2cp - 1 times the first's.
 
 Everything outside attention is per token, so it runs on the local tokens unchanged: the
 embeddings (with the global position of each token: ``SequenceShard.positions``), the
@@ -39,7 +41,9 @@ their owner. K and V travel in one collective (stacked).
 
 The loss is the mean over the rank's tokens; every rank of a cp group holds the same
 number of tokens, so averaging gradients over the data x cp ranks (DDP or FSDP2 over the
-two axes together) is the gradient of the mean over every token of the global batch.
+two axes together) is the gradient of the mean over every token of the global batch, and
+the mean of the ranks' losses is that mean (the layout averages the loss over cp,
+distlm/layout/context.py).
 
 Document masks (model.attn_mask=doc) are exact across shards: the document ids come from
 the whole row, which every rank of the group holds before it takes its part (the loader
@@ -133,15 +137,6 @@ class ContextParallel:
         shard = SequenceShard(self, shard_positions(T, self.size, self.rank, idx.device), idx)
         local = shard_sequence(idx, self.size, self.rank)
         return local, (shard_sequence(targets, self.size, self.rank) if targets is not None else None), shard
-
-    def mean(self, t: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-rank value (a local loss) over the group: every rank holds as
-        many tokens, so the mean of the means is the mean over the whole rows."""
-        if self.size == 1:
-            return t
-        t = t.detach().clone()
-        dist.all_reduce(t, group=self.group)
-        return t / self.size
 
 
 class SequenceShard:
