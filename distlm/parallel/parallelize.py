@@ -94,7 +94,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         apply_fsdp(model, dims, pcfg, roots=parts.views if parts is not None else None)
     if materialize is not None:
         materialize(model)
-    if dims.replicate_degree > 1 and dims.splits_nothing and pcfg.engine == "torch":
+    # DDP where every rank holds the whole model and runs whole blocks (whether or not its
+    # rows are cut): it all-reduces the gradients over the replicate dimension.
+    if dims.replicate_degree > 1 and dims.holds_whole_model and not dims.splits_forward and pcfg.engine == "torch":
         from distlm.parallel.ddp import apply_ddp
         model = apply_ddp(model, dims, pcfg)  # Horovod reduces itself
     step = PipelineStep(model, parts) if parts is not None else PlainStep(model)
