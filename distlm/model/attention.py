@@ -16,9 +16,7 @@ shared by every block:
   - a dense boolean mask (B, 1, Tq, Tk) for ``F.scaled_dot_product_attention``: CPU,
     KV-cache generation, or where FlexAttention is missing. O(B T^2) memory;
   - a FlexAttention ``BlockMask`` on CUDA: only the (128 x 128) tiles that hold a visible
-    pair are computed, and those wholly visible skip the mask function;
-  - an ``AttentionOverride``: an object that computes the attention itself, for a model
-    that holds only part of each sequence (context parallelism, distlm.parallel.context).
+    pair are computed, and those wholly visible skip the mask function.
 """
 from __future__ import annotations
 
@@ -34,15 +32,6 @@ except ImportError:  # pragma: no cover - older torch: the dense path serves eve
     BlockMask, flex_attention = None, None
 
 TILE = 128  # FlexAttention's default sparse block size
-
-
-class AttentionOverride:
-    """A "mask" that runs the attention itself: ``attend`` hands it q, k, v and the dropout
-    probability. Passed to the blocks where a mask is, so the blocks' signatures (and the
-    tensor-parallel plan that lays out their inputs) stay as they are."""
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        raise NotImplementedError
 
 
 def document_ids(idx: torch.Tensor, eot_id: int) -> torch.Tensor:
@@ -136,10 +125,7 @@ def compiled_flex():
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool, dropout_p: float) -> torch.Tensor:
-    """q, k, v (B, H, T, hd) -> (B, H, Tq, hd) under ``mask`` (None, dense, BlockMask or an
-    AttentionOverride)."""
-    if isinstance(mask, AttentionOverride):
-        return mask(q, k, v, dropout_p)
+    """q, k, v (B, H, T, hd) -> (B, H, Tq, hd) under ``mask`` (None, dense or BlockMask)."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         # Inside a compiled block the plain function is traced into the graph; eager calls
         # go through the compiled wrapper. FlexAttention has no attention dropout: the model

@@ -112,6 +112,16 @@ class SoftcapLinear(nn.Linear):
         return self.softcap * torch.tanh(super().forward(x).float() / self.softcap)
 
 
+class AttentionOverride:
+    """An attention mask that runs the attention itself: the blocks pass it where a mask goes
+    (so their signatures, and the tensor-parallel plan that lays out their inputs, stay as
+    they are), and ``Attention`` hands it q, k, v and the dropout probability. What a model
+    holding only part of each row needs (distlm.parallel.context)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
@@ -169,7 +179,8 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1 and mask is None:  # a chunk after a prefix: query i sees keys up to start_pos + i
                     mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(start_pos)
-        y = attend(q, k, v, mask, causal, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        y = mask(q, k, v, dropout) if isinstance(mask, AttentionOverride) else attend(q, k, v, mask, causal, dropout)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
 

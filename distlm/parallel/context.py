@@ -62,7 +62,8 @@ import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
 from torch.nn.attention.bias import causal_lower_right
 
-from distlm.model.attention import AttentionOverride, document_ids
+from distlm.model.attention import document_ids
+from distlm.model.gpt import AttentionOverride
 from distlm.parallel.plan import Batch, BatchHook
 
 
