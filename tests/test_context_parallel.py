@@ -1,7 +1,8 @@
 """Context parallelism (distlm/parallel/context.py) against one process, on CPU with gloo, fp32.
 
 The split itself is checked here directly (head and tail chunks, positions, the inverse,
-the balance of causal work). Then two launches of tests/context_worker.py train a tiny GPT
+the balance of causal work), and so is each rank's attention over the whole row's keys, for
+cp = 2, 3, 4 and every mask rule, without processes (a GPU twin in tests/test_gpu.py). Then two launches of tests/context_worker.py train a tiny GPT
 for a few AdamW steps with clipping on the same global batches as the single-process
 reference in this process, and every step's loss (the mean over the whole global batch)
 and gradient norm must agree to fp32 rounding:
@@ -72,6 +73,31 @@ def test_causal_work_is_balanced():
         T = 8 * cp
         pairs = [int((shard_positions(T, cp, r) + 1).sum()) for r in range(cp)]
         assert len(set(pairs)) == 1, pairs
+
+
+def sharded_against_whole(cp: int, docs, window: int, device="cpu", dtype=torch.float32):
+    """Every rank's attend_shard on its part of q, over the whole row's K and V, joined, and
+    the one-process attention of the whole row under the same rule."""
+    from distlm.model.attention import attend, dense_mask
+    from distlm.parallel.context import attend_shard
+    g = torch.Generator().manual_seed(cp)
+    B, H, T, hd = 2, 3, 8 * cp, 16
+    q, k, v = (torch.randn(B, H, T, hd, generator=g).to(device, dtype) for _ in range(3))
+    parts = [attend_shard(shard_sequence(q, cp, r, dim=2), torch.stack((k, v)), cp, r, docs, window)
+             for r in range(cp)]
+    mask = dense_mask(T, T, device, docs=docs, window=window) if docs is not None or window else None
+    return unshard_sequence(parts, dim=2).float(), attend(q, k, v, mask, True, 0.0).float()
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("rule", ["causal", "docs", "window", "docs+window"])
+def test_the_ranks_attention_joins_into_the_whole_rows(cp, rule):
+    """No processes: each rank's two chunks against the whole row's keys, as the gather gives
+    them, for several cp and every mask rule (documents crossing the chunk boundaries)."""
+    T = 8 * cp
+    docs = torch.tensor([[0] * 3 + [1] * (T - 9) + [2] * 6, [0] * (T - 1) + [1]]) if "docs" in rule else None
+    got, want = sharded_against_whole(cp, docs, 5 if "window" in rule else 0)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "sinus", "modern"])

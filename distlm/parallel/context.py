@@ -150,60 +150,66 @@ class SequenceShard:
         self.positions = positions
         self.rows = rows  # (B, T): the whole rows' token ids
 
-    @property
-    def seq_len(self) -> int:
-        return self.rows.shape[1]
-
     def attention(self, eot_id: Optional[int] = None, window: int = 0) -> "ShardedAttention":
         """The attention every block of this forward runs: causal, within documents when
         ``eot_id`` is given (model.attn_mask=doc), within ``window`` positions when > 0."""
         docs = document_ids(self.rows, eot_id) if eot_id is not None else None
-        return ShardedAttention(self.cp, self.seq_len, docs, window)
+        return ShardedAttention(self.cp, docs, window)
 
 
 class ShardedAttention(AttentionOverride):
     """Attention for a rank's two query chunks over the keys of the whole row."""
 
-    def __init__(self, cp: ContextParallel, seq_len: int, docs: Optional[torch.Tensor], window: int):
-        self.cp, self.seq_len, self.docs, self.window = cp, seq_len, docs, window
-        self.c = chunk_len(seq_len, cp.size)
+    def __init__(self, cp: ContextParallel, docs: Optional[torch.Tensor], window: int):
+        self.cp, self.docs, self.window = cp, docs, window
 
-    # A graph break: dynamo does not trace torch.distributed.nn's autograd collectives, and
-    # the attention kernels are the same compiled or not; the blocks compile around it.
+    # Kept out of compiled graphs (a graph break; the blocks compile around it): the SDPA
+    # kernels are the same compiled or not, and the collective and the per-chunk masks run
+    # eagerly, the path the tests check against one process.
     @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """q, k, v (B, H, 2c, hd) of the local tokens -> (B, H, 2c, hd)."""
-        kv = gather_sequence(torch.stack((k, v)), self.cp.group, dim=3) if self.cp.size > 1 else torch.stack((k, v))
-        c = self.c
-        out = []
-        for half, chunk in enumerate(shard_chunks(self.cp.size, self.cp.rank)):
-            q_lo = chunk * c  # global position of the chunk's first query
-            k_hi = q_lo + c   # keys past the chunk's last query are never visible
-            k_lo = max(0, q_lo - self.window + 1) if self.window else 0
-            qh = q[:, :, half * c:(half + 1) * c]
-            kh, vh = kv[0, :, :, k_lo:k_hi], kv[1, :, :, k_lo:k_hi]
-            mask, causal = self._mask(q_lo, k_lo, k_hi, q.device)
-            out.append(F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
-                                                      dropout_p=dropout_p))
-        return torch.cat(out, dim=2)
+        kv = torch.stack((k, v))
+        if self.cp.size > 1:
+            kv = gather_sequence(kv, self.cp.group, dim=3)
+        return attend_shard(q, kv, self.cp.size, self.cp.rank, self.docs, self.window, dropout_p)
 
-    def _mask(self, q_lo: int, k_lo: int, k_hi: int, device):
-        """(attn_mask, is_causal) for queries [q_lo, q_lo + c) over keys [k_lo, k_hi)."""
-        c = self.c
-        if self.docs is None and not self.window:
-            if k_lo == q_lo:  # a square block: plain causal
-                return None, True
-            return causal_lower_right(c, k_hi - k_lo), False
-        q = torch.arange(q_lo, q_lo + c, device=device)[:, None]
-        k = torch.arange(k_lo, k_hi, device=device)[None, :]
-        ok = k <= q
-        if self.window:
-            ok = ok & (q - k < self.window)
-        ok = ok[None, None]
-        if self.docs is not None:
-            d = self.docs.to(device)
-            ok = ok & (d[:, None, q_lo:q_lo + c, None] == d[:, None, None, k_lo:k_hi])
-        return ok, False
+
+def attend_shard(q: torch.Tensor, kv: torch.Tensor, cp: int, rank: int, docs: Optional[torch.Tensor] = None,
+                 window: int = 0, dropout_p: float = 0.0) -> torch.Tensor:
+    """The attention of rank ``rank``'s queries q (B, H, 2c, hd: its head and tail chunks)
+    over the whole row's keys and values kv (2, B, H, T, hd), under the causal mask, within
+    documents (``docs``, (B, T) ids of the whole row) and a window when given. No
+    communication: the gather is the caller's."""
+    c = q.shape[2] // 2
+    out = []
+    for half, chunk in enumerate(shard_chunks(cp, rank)):
+        q_lo = chunk * c  # global position of the chunk's first query
+        k_hi = q_lo + c   # keys past the chunk's last query are never visible
+        k_lo = max(0, q_lo - window + 1) if window else 0
+        mask, causal = _chunk_mask(c, q_lo, k_lo, k_hi, docs, window, q.device)
+        out.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], kv[0, :, :, k_lo:k_hi],
+                                                  kv[1, :, :, k_lo:k_hi], attn_mask=mask, is_causal=causal,
+                                                  dropout_p=dropout_p))
+    return torch.cat(out, dim=2)
+
+
+def _chunk_mask(c: int, q_lo: int, k_lo: int, k_hi: int, docs: Optional[torch.Tensor], window: int, device):
+    """(attn_mask, is_causal) for queries [q_lo, q_lo + c) over keys [k_lo, k_hi)."""
+    if docs is None and not window:
+        if k_lo == q_lo:  # a square block: plain causal
+            return None, True
+        return causal_lower_right(c, k_hi - k_lo), False
+    q = torch.arange(q_lo, q_lo + c, device=device)[:, None]
+    k = torch.arange(k_lo, k_hi, device=device)[None, :]
+    ok = k <= q
+    if window:
+        ok = ok & (q - k < window)
+    ok = ok[None, None]
+    if docs is not None:
+        d = docs.to(device)
+        ok = ok & (d[:, None, q_lo:q_lo + c, None] == d[:, None, None, k_lo:k_hi])
+    return ok, False
 
 
 def apply_context(dims) -> BatchHook:
