@@ -1,17 +1,16 @@
 """Context parallelism on a GPT, several layouts in one torchrun launch (tests/test_context_parallel.py).
 
-    torchrun --standalone --nproc_per_node 4 tests/context_worker.py PLAN.json
+    torchrun --standalone --nproc_per_node 2 tests/context_worker.py PLAN.json
 
-PLAN.json: {"out": "results.json", "jobs": [{"name", "layout", "model", "steps", ...}]}.
-A job builds the model on the meta device, lays it out (``layout``: cp, dp, tp degrees and
-``dp_mode`` ddp|fsdp; the ranks are a (dp, cp, tp) grid, tp fastest), allocates and
-initialises it (the whole-tensor draw, so every layout starts from the single-process
-weights), and trains ``steps`` AdamW steps on the global batches of ``global_batch``
-(the same function the single-process reference calls). Each rank takes its dp slice of
-the rows, then its cp part of each row. Gradients are averaged over dp x cp: DDP over the
-flattened group, or FSDP2 over the flattened mesh (over cp alone, beside TP).
-``checkpoint_compile``: activation checkpointing and compiled blocks. A job may save model and optimizer (DCP) after step ``save_at``, or start from ``resume``.
-Rank 0 writes every job's per-step (loss, grad norm) to ``out``.
+PLAN.json: {"out": "results.json", "jobs": [{"name", "cp", "model", "steps", ...}]}, cp the
+world size. The module alone, without the Trainer: a job builds the model on the meta
+device, allocates and initialises it (the whole-tensor draw, so it starts from the
+single-process weights), wraps it in DDP over the cp ranks, and trains ``steps`` AdamW
+steps on the global batches of ``global_batch`` (the same function the single-process
+reference calls), each rank on its part of every row. ``checkpoint_compile``: activation
+checkpointing and compiled blocks. A job may save model and optimizer (DCP) after step
+``save_at``, or start from ``resume``. Rank 0 writes every job's per-step (loss, grad norm)
+to ``out``.
 """
 from __future__ import annotations
 
@@ -24,13 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlm.config import load_config
 from distlm.model.gpt import GPT
-from distlm.model.loss import lm_loss
 from distlm.parallel.context import ContextParallel
 from distlm.parallel.grad import clip_grad_norm
 
@@ -84,18 +80,11 @@ def reference(model_overrides: list[str], steps: int, start: int = 1, resume: st
 
 
 def run_job(job: dict) -> list:
-    lay = job["layout"]
-    cp, dp, tp = lay["cp"], lay.get("dp", 1), lay.get("tp", 1)
-    assert cp * dp * tp == dist.get_world_size(), job
-    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    cp = job["cp"]
+    assert cp == dist.get_world_size(), job
     cfg = model_config(job["model"])
     with torch.device("meta"):
         model = GPT(cfg)
-    if tp > 1:
-        from distlm.config import ParallelConfig
-        from distlm.parallel.tp import apply_tp
-        apply_tp(model, mesh["tp"], ParallelConfig(tp=tp))
-    # The ranks that average gradients: data and context together.
     if job.get("checkpoint_compile"):
         # Activation checkpointing recomputes the block, its all-gather included, in the
         # backward; each block compiled (aot_eager: traced as inductor would be, without
@@ -104,38 +93,24 @@ def run_job(job: dict) -> list:
         apply_activation_checkpointing(model, "full")
         for block in model.blocks.values():
             block.compile(backend="aot_eager")
-    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
-    fsdp = lay.get("dp_mode") == "fsdp" or tp > 1  # DDP cannot hold TP's DTensors
-    if fsdp:  # beside TP, FSDP2 on the (dp x cp) axis of the grid: 2-D parameters
-        for block in model.blocks.values():
-            fully_shard(block, mesh=dp_cp)
-        fully_shard(model, mesh=dp_cp)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    wrapped = model if fsdp else DDP(model, process_group=dp_cp.get_group())
+    group = dist.group.WORLD
+    wrapped = DDP(model, process_group=group)  # the cp ranks average their gradients
     opt = make_optimizer(model.parameters())
-    ctx = ContextParallel(mesh["cp"].get_group())
-    dp_rank = mesh["dp"].get_local_rank()
-    rows = B // dp
+    ctx = ContextParallel(group)
 
     def forward_backward(x, y):
-        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
         x, y, shard = ctx.shard(x, y)
-        if tp == 1:
-            loss = wrapped(x, targets=y, shard=shard)
-            loss.backward()
-            return loss.detach()
-        from torch.distributed.tensor.parallel import loss_parallel
-        with loss_parallel():
-            loss = lm_loss(wrapped(x, shard=shard), y)
-            loss.backward()
-        return loss.detach().full_tensor()
+        loss = wrapped(x, targets=y, shard=shard)
+        loss.backward()
+        return loss.detach()
 
     def report(loss):
         # The mean over every token of the global batch: each rank holds as many tokens.
         t = loss.clone()
-        dist.all_reduce(t)
-        return t / dist.get_world_size()
+        dist.all_reduce(t, group=group)
+        return t / cp
 
     start = 1
     if job.get("resume"):

@@ -118,8 +118,8 @@ def launch(root: Path, nproc: int, jobs: list[dict]) -> dict:
     return json.loads(out.read_text())
 
 
-def job(name: str, variant: str, **layout) -> dict:
-    return {"name": name, "layout": layout, "model": VARIANTS[variant], "steps": STEPS}
+def job(name: str, variant: str, cp: int) -> dict:
+    return {"name": name, "cp": cp, "model": VARIANTS[variant], "steps": STEPS}
 
 
 @pytest.fixture(scope="module")
