@@ -10,7 +10,8 @@ and gradient norm must agree to fp32 rounding:
     sinusoidal and rotary positions, and with the modern block (document masks, a window, value
     embeddings, U-net skips); with activation checkpointing and compiled blocks; a run saved at step
     2 and resumed, which must continue bit for bit; this process resumes it without the split;
-  - through the Trainer (`parallel.cp`), 4 ranks (tests/dist_worker.py): cp=4; cp=2 x FSDP2 with the
+  - through the Trainer (`parallel.cp`), 4 ranks (tests/dist_worker.py): cp=4, and with the sequence
+    warm-up's shorter rows; cp=2 x FSDP2 with the
     modern block, saved at step 3 and resumed bit for bit, and that checkpoint continued under cp=4
     and in this process; cp=2 x DDP (HSDP: replicas of cp-sharded parameters) on real tokens with
     evaluation; cp=2 x TP2 with sequence parallelism and loss_parallel on the Llama-style block.
@@ -173,7 +174,9 @@ TRAIN = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=12
          "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
          "train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=5", "log.every=1",
          "log.progress=false", "log.tensorboard=false", "log.samples=0", "parallel.timeout_s=60"]
-TRAIN_VARIANTS = {"gpt2": [], "llama": VARIANTS["llama"][len(MODEL):], "modern": VARIANTS["modern"][len(MODEL):]}
+TRAIN_VARIANTS = {"gpt2": [], "llama": VARIANTS["llama"][len(MODEL):], "modern": VARIANTS["modern"][len(MODEL):],
+                  # rows of 8 and 16 tokens first (train.seq_warmup_steps): each cut as 2 x cp chunks
+                  "warmup": VARIANTS["llama"][len(MODEL):] + ["train.seq_warmup_steps=4", "train.seq_warmup_start=8"]}
 
 
 def with_data(data: Path) -> list[str]:
@@ -198,7 +201,8 @@ def trainer_reference(root, tiny_data) -> dict:
     micro-batch, which sets the validation set (train.eval_batches micro-batches)."""
     out = {}
     for variant, extra in (("gpt2", ["train.micro_batch_size=8"]), ("llama", ["train.micro_batch_size=8"]),
-                           ("modern", ["train.micro_batch_size=8"]), ("data", with_data(tiny_data))):
+                           ("modern", ["train.micro_batch_size=8"]), ("warmup", ["train.micro_batch_size=8"]),
+                           ("data", with_data(tiny_data))):
         base = "gpt2" if variant == "data" else variant
         train_here(trainer_job(root, f"ref_{variant}", base, *extra)["overrides"])
         out[variant] = trace(root / f"ref_{variant}")
@@ -209,6 +213,7 @@ def trainer_reference(root, tiny_data) -> dict:
 def trainer_four(root, trainer_reference, tiny_data) -> dict:
     saved = ckpt(root, "t_cp2_fsdp2_modern", TRAIN_SAVE)
     jobs = [trainer_job(root, "t_cp4_gpt2", "gpt2", "parallel.cp=4"),
+            trainer_job(root, "t_cp4_warmup", "warmup", "parallel.cp=4"),
             trainer_job(root, "t_cp2_fsdp2_modern", "modern", "parallel.cp=2", "parallel.dp_shard=2",
                         f"train.checkpoint_every={TRAIN_SAVE}"),
             # the same run from its step-3 checkpoint, and that checkpoint continued under cp=4
@@ -221,7 +226,8 @@ def trainer_four(root, trainer_reference, tiny_data) -> dict:
     return run_worker(root, 4, jobs)
 
 
-@pytest.mark.parametrize("name, variant, data_ranks", [("t_cp4_gpt2", "gpt2", 1), ("t_cp2_fsdp2_modern", "modern", 2),
+@pytest.mark.parametrize("name, variant, data_ranks", [("t_cp4_gpt2", "gpt2", 1), ("t_cp4_warmup", "warmup", 1),
+                                                       ("t_cp2_fsdp2_modern", "modern", 2),
                                                        ("t_cp2_ddp2_data", "data", 2), ("t_cp2_tp2_llama", "llama", 1)])
 def test_trainer_layouts_with_cp_match_one_process(root, trainer_four, trainer_reference, name, variant, data_ranks):
     assert_matches(root / name, trainer_reference[variant], range(1, TRAIN_STEPS + 1))
