@@ -3,7 +3,7 @@
     python benchmarks/run.py SUITE [--gpus N] [--out DIR] [--dry-run] [--cpu] [suite options]
     python benchmarks/run.py --list
 
-SUITE is one of throughput, scaling, time-to-loss, layouts, prepare, multi-node, float8, memory
+SUITE is one of throughput, scaling, time-to-loss, layouts, prepare, multi-node, float8, memory, context
 (`python benchmarks/run.py SUITE --help` gives each one's options). Every step a suite plans is
 run in turn, from the repository root, with this checkout's distlm first on PYTHONPATH. Each
 step gets a folder OUT/SUITE/<UTC time>-<step>/ holding command.txt, log.txt and whatever the
@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SUITES = {"throughput": "suites.throughput", "scaling": "suites.scaling", "time-to-loss": "suites.time_to_loss",
           "layouts": "suites.layouts", "prepare": "suites.prepare", "multi-node": "suites.multi_node",
           "float8": "suites.float8",
-          "memory": "suites.memory"}
+          "memory": "suites.memory",
+          "context": "suites.context"}
 
 # PYTHONSAFEPATH: `python -m` would otherwise put the current folder ahead of PYTHONPATH, and a
 # step that measures another checkout (--before DIR) would import this one's distlm.

@@ -236,6 +236,8 @@ class ParallelConfig:
     dp_shard: int = doc(1, "FSDP2 degree (shards)")
     tp: int = doc(1, "tensor-parallel degree")
     pp: int = doc(1, "pipeline-parallel degree")
+    cp: int = doc(1, "context-parallel degree: every row split over this many ranks, for long sequences "
+                     "(distlm/parallel/context.py)")
     reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
     mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only; see grad_reduce_dtype)")
     cpu_offload: bool = False

@@ -10,8 +10,11 @@ Estimates, per GPU, the largest pipeline stage's (memory in GiB, as `distlm benc
   activations saved for backward, counted tensor by tensor for this model's blocks (see
   ``block_saved_elements``), times the microbatches a schedule keeps in flight, or only
   each block's input with full activation checkpointing; the logits and their gradient.
+Under context parallelism (cp) a GPU holds T / cp tokens of each row, plus the whole row's
+keys and values in every layer (gathered for attention and kept for its backward; one
+layer's at a time under full activation checkpointing).
 Communication per step is the bytes each GPU sends in its collectives (ring algorithms),
-on a two-level network: the mesh's axes are ordered (pp, dp_replicate, dp_shard, tp), tp
+on a two-level network: the mesh's axes are ordered (pp, dp_replicate, dp_shard, cp, tp), tp
 innermost, so with G GPUs per node an axis whose group spans more than G consecutive ranks
 crosses nodes, and its collectives run at the inter-node bandwidth (see ``crossing_axes``).
 The ranking uses a simple time model (compute at a fixed fraction of peak, the pipeline
@@ -211,7 +214,11 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
             raise ValueError(f"{name}={value} must be positive")
     T, d, V = m.block_size, m.d_model, m.padded_vocab_size
     dp = lay.dp_replicate * lay.dp_shard
-    t, shard = lay.tp, lay.dp_shard
+    # cp: each GPU holds T / cp tokens of every row, and FSDP2 shards the parameters over the
+    # data shards and the cp ranks together (distlm/layout/context.py)
+    cp = lay.cp
+    t, shard = lay.tp, lay.dp_shard * cp
+    Tl = T / cp
     local_batch = global_batch // dp
     n_mb = max(1, local_batch // micro_batch)
     b = micro_batch
@@ -236,16 +243,19 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     buffers_gb = (2 * compute_bytes * (bs / t + br) / GIB) if shard > 1 else 0.0
     # activations of one microbatch on this stage, times those in flight
     fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
-    per_layer = b * T * (4 * fp32_el + compute_bytes * cd_el)
+    per_layer = b * Tl * (4 * fp32_el + compute_bytes * cd_el)
+    # context parallelism: the gathered K and V of the whole row (this rank's heads), kept for backward
+    kv_row = 2 * b * T * d / t * compute_bytes if cp > 1 else 0.0
+    per_layer += kv_row
     in_flight = 1 if lay.pp == 1 else (n_mb if lay.schedule in ("gpipe", "naive") else min(lay.pp, n_mb))
     # logits, their fp32 copy and gradient; model.loss_chunk holds one chunk of them (it applies
     # where the model computes its own loss: no TP, no pipeline)
-    rows = min(b * T, m.loss_chunk) if m.loss_chunk and lay.model_computes_loss else b * T
+    rows = min(b * Tl, m.loss_chunk) if m.loss_chunk and lay.model_computes_loss else b * Tl
     logits = rows * V / (t if loss_parallel else 1) * (compute_bytes + 4 + 4)
     if lay.ac == "full":
         # Only each block's input is kept; one block's tensors come back during its
         # recompute, by which time the logits are gone: the peak is the larger of the two.
-        kept = b * T * 4 * d / (t if sequence_parallel and t > 1 else 1) * L
+        kept = b * Tl * 4 * d / (t if sequence_parallel and t > 1 else 1) * L
         activations_gb = (kept * in_flight + max(logits, per_layer)) / GIB
     else:
         activations_gb = (per_layer * L * in_flight + logits) / GIB
@@ -260,24 +270,32 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
         gathers = 2 * n_mb if lay.pp == 1 else 2  # kept unsharded across a step's microbatches under PP
         sent["dp_shard"] = (shard - 1) / shard * n_local * (compute_bytes * gathers + 4)
     if t > 1:  # 2 collectives forward + 2 backward per block, on the residual stream
-        sent["tp"] = 4 * L * n_mb * 2 * (t - 1) / t * b * T * d * compute_bytes
+        sent["tp"] = 4 * L * n_mb * 2 * (t - 1) / t * b * Tl * d * compute_bytes
     if lay.pp > 1:
         sent["pp"] = 2 * n_mb * b * T * d * compute_bytes / (t if sequence_parallel and t > 1 else 1)
+    if cp > 1:  # per block: K and V all-gathered (forward, again in a recompute), reduce-scattered (backward)
+        passes = 3 if lay.ac == "full" else 2
+        sent["cp"] = passes * L * n_mb * (cp - 1) / cp * kv_row
     comm = sum(sent.values())
-    gpn = gpus_per_node or dp * t * lay.pp
+    gpn = gpus_per_node or lay.size
     crossing = crossing_axes(lay, gpn)
+    # FSDP2's group is the data shards x the cp ranks: it leaves a node where its outer axis does
+    group_axis = {"dp_shard": "dp_shard" if lay.dp_shard > 1 else "cp"}
+    crosses = {k for k in sent if group_axis.get(k, k) in crossing}
     # a collective runs at the pace of the slowest link its group crosses
-    link_s = {axis: v / ((inter_gbs if axis in crossing else intra_gbs) * GB) for axis, v in sent.items()}
+    link_s = {axis: v / ((inter_gbs if axis in crosses else intra_gbs) * GB) for axis, v in sent.items()}
     # time: a pipeline stage's work per step is its compute plus what TP puts on its critical
     # path; the bubble stretches all of it. Then the optimizer, and DP/PP traffic partly
     # hidden behind the backward pass.
     n_total = m.n_layer * (bs + br) + emb + head
     flops = (6 * n_total + 12 * m.n_layer * d * T) * global_batch * T
-    compute_s = flops / (dp * t * lay.pp) / (peak_tflops * 1e12 * mfu) + L * n_mb * BLOCK_CALL_S
+    compute_s = flops / lay.size / (peak_tflops * 1e12 * mfu) + L * n_mb * BLOCK_CALL_S
     if lay.ac == "full":
         compute_s *= 4 / 3  # the forward again
     compute_s /= TP_SPLIT_EFFICIENCY ** math.log2(t)
-    device_s = compute_s + link_s.get("tp", 0.0)
+    # TP's collectives and cp's K/V gathers sit between the matmuls that need them: not hidden
+    critical = ("tp", "cp")
+    device_s = compute_s + sum(link_s.get(a, 0.0) for a in critical)
     host_s = 0.0
     if t > 1:
         host_s = L * n_mb * TP_HOST_S_PER_BLOCK * (1 + (FSDP_HOST_SHARE_UNDER_TP if shard > 1 else 0.0))
@@ -286,13 +304,15 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
         else (lay.pp - 1) / lay.pp
     stage_s = (device_s + tp_host_s) / (1 - bubble)
     optimizer_s = p_bytes / 4 * OPTIMIZER_S_PER_PARAM * (TP_OPTIMIZER_SLOWDOWN if t > 1 else 1)
-    hidden_s = DP_EXPOSED * sum(v for axis, v in link_s.items() if axis != "tp")
+    hidden_s = DP_EXPOSED * sum(v for axis, v in link_s.items() if axis not in critical)
     step_s = stage_s + optimizer_s + hidden_s + STEP_OVERHEAD_S
     est = Estimate(lay, params_gb, grads_gb, optim_gb, buffers_gb, activations_gb, total, comm / GB, step_s, bubble,
-                   total <= 0.92 * gpu_mem_gb, inter_gb=sum(sent[a] for a in crossing if a in sent) / GB,
-                   inter_axes=tuple(a for a in crossing if a in sent), sent_gb={a: v / GB for a, v in sent.items()},
-                   nodes=max(1, math.ceil(dp * t * lay.pp / gpn)),
+                   total <= 0.92 * gpu_mem_gb, inter_gb=sum(sent[a] for a in crosses) / GB,
+                   inter_axes=tuple(a for a in sent if a in crosses),
+                   sent_gb={a: v / GB for a, v in sent.items()},
+                   nodes=max(1, math.ceil(lay.size / gpn)),
                    time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
+                            "cp_comm": link_s.get("cp", 0.0) * 1e3,
                             "tp_host": tp_host_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
                             "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
                             "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch,
@@ -305,8 +325,17 @@ def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> l
     """Every (dp_replicate, dp_shard, tp, pp) with product = gpus that the model allows,
     each with and without full activation checkpointing. Data parallelism is DDP or FSDP2
     over all of it, and on several nodes also HSDP: dp_shard filling the rest of a node
-    (tp x dp_shard = gpus_per_node), dp_replicate across nodes."""
+    (tp x dp_shard = gpus_per_node), dp_replicate across nodes. Context parallelism takes
+    part of the FSDP2 degree (cp x dp_shard, no pipeline) where the row splits into 2 x cp
+    chunks (x tp under sequence parallelism)."""
     out = []
+    for tp in range(1, gpus + 1):
+        if gpus % tp or m.n_head % tp or m.d_ff % tp:
+            continue
+        dp = gpus // tp
+        for cp in (c for c in range(2, dp + 1) if dp % c == 0 and m.block_size % (2 * c * tp) == 0):
+            for ac in ("none", "full"):
+                out.append(Candidate(1, dp // cp, tp, 1, cp=cp, ac=ac))
     for tp, pp in itertools.product(range(1, gpus + 1), repeat=2):
         if gpus % (tp * pp) or m.n_head % tp or m.d_ff % tp or (pp > 1 and pp > m.n_layer):
             continue
@@ -385,7 +414,8 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
 
 COLLECTIVES = {"dp_replicate": "gradient all-reduce (dp_replicate)",
                "dp_shard": "FSDP all-gather + reduce-scatter (dp_shard)",
-               "tp": "TP all-gather + reduce-scatter (tp)", "pp": "pipeline send/recv (pp)"}
+               "tp": "TP all-gather + reduce-scatter (tp)", "pp": "pipeline send/recv (pp)",
+               "cp": "K/V all-gather + reduce-scatter (cp)"}
 
 
 def network_lines(e: Estimate) -> list[str]:

@@ -2,19 +2,18 @@
 the named questions each layout answers, the registry's consistency, that an axis is added by
 registration alone, and the per-batch hook the step runs every micro-batch through."""
 import dataclasses
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-import distlm.layout as layout_pkg
 from distlm.config import ParallelConfig, load_config
-from distlm.layout import AXES, MESH_ORDER, Axis, Layout
+from distlm.layout import AXES, MESH_ORDER, Layout
 from distlm.parallel import ParallelDims, parallelize
 from distlm.parallel.plan import Batch
 
 PARTIAL_SHARDS = "under FSDP2 or tensor parallelism each rank holds shards of the weights, not the whole model"
 PARTIAL_STAGES = "under pipeline parallelism each rank holds a stage, not the whole model"
+PARTIAL_CONTEXT = "under context parallelism each rank holds FSDP2 shards of the weights, not the whole model"
 
 
 # ---- the named questions -----------------------------------------------------------------
@@ -27,20 +26,25 @@ PARTIAL_STAGES = "under pipeline parallelism each rank holds a stage, not the wh
     (Layout(pp=2), "pp2", 1, False, True, False, False, False, PARTIAL_STAGES),
     # the outermost axis answers first: a stage, although its blocks are sharded too
     (Layout(dp_shard=2, tp=2, pp=2), "fsdp2xtp2xpp2", 2, False, True, True, False, True, PARTIAL_STAGES),
+    # the cp ranks read the same rows (dp 1) and shard the parameters (FSDP2 over them)
+    (Layout(cp=2), "cp2", 1, False, True, True, True, False, PARTIAL_CONTEXT),
+    (Layout(dp_shard=2, tp=2, cp=2), "fsdp2xtp2xcp2", 2, False, True, True, False, True, PARTIAL_SHARDS),
 ])
 def test_each_layout_answers_by_name(lay, name, dp, unsplit, forward, shards, own_loss, logits, partial):
     assert lay.name == name and lay.dp_size == dp
     assert lay.splits_nothing is unsplit and lay.splits_forward is forward and lay.shards_parameters is shards
     assert lay.model_computes_loss is own_loss and lay.distributes_logits is logits
     assert lay.why_not_whole_model == partial and lay.holds_whole_model is (partial is None)
-    assert lay.splits_sequence is False  # no axis of today cuts the rows
+    assert lay.splits_sequence is (lay.cp > 1)  # the one axis that cuts the rows
 
 
 def test_the_meshes_each_role_uses():
     lay = Layout(dp_replicate=2, dp_shard=2, tp=2, pp=2)
-    assert lay.data_axes == lay.loss_axes == ("dp_replicate", "dp_shard")
-    assert (lay.replicate_axes, lay.shard_axes) == (("dp_replicate",), ("dp_shard",))
-    assert lay.gradient_axes == ("dp_replicate", "dp_shard") and lay.size == 16
+    # the roles name their mesh dimensions whatever the degrees: cp's (size 1 here) among them
+    assert lay.data_axes == ("dp_replicate", "dp_shard") and lay.loss_axes == ("dp_replicate", "dp_shard", "cp")
+    assert (lay.replicate_axes, lay.shard_axes) == (("dp_replicate",), ("dp_shard", "cp"))
+    assert lay.gradient_axes == ("dp_replicate", "dp_shard", "cp") and lay.size == 16
+    assert lay.loss_size == lay.dp_size == 4 and lay.shard_degree == 2
     assert lay.overrides() == "parallel.dp_replicate=2 parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"
 
 
@@ -74,41 +78,23 @@ def test_parallel_dims_is_the_layout_with_a_place_in_it():
     dims = ParallelDims(2, 1, 1, 1, world_size=2, rank=1)
     assert isinstance(dims, Layout) and dims.degrees() == Layout(dp_replicate=2).degrees()
     assert dims.splits_nothing and not dims.is_main and dims.dp_rank == 0  # no mesh: one data rank
-    with pytest.raises(Exception, match=r"dp_replicate=1 x dp_shard=1 x tp=1 x pp=1 = 1, but the world size is 2; "
+    with pytest.raises(Exception, match=r"dp_replicate=1 x dp_shard=1 x tp=1 x pp=1 x cp=1 = 1, but the world size is 2; "
                                         r"add parallel.dp_replicate=2 \(DDP\)"):
         ParallelDims(world_size=2)
 
 
-class Sequence(Axis):
-    """An axis as a sequence-parallel one would register (distlm/layout/__init__.py's recipe)."""
-    name, label = "cp", "cp"
-    splits_sequence = True
-    averages_loss = True
-    gradients = "shard"
-
-    def sequence_divisor(self, cfg, degree: int) -> int:
-        return 2 * degree
-
-
-@dataclass
-class WithSequence(Layout):
-    cp: int = 1
-
-
-def test_an_axis_joins_by_registration(monkeypatch):
-    """A new axis is its class, its degree field and two registry entries: every named
-    question, the roles' meshes, the name and the row divisor follow."""
-    cfg = load_config(None, ["model.vocab_size=256"])  # read before the registry changes: no parallel.cp in it
-    monkeypatch.setattr(layout_pkg, "AXES", layout_pkg.AXES[:2] + (Sequence(),) + layout_pkg.AXES[2:])
-    monkeypatch.setattr(layout_pkg, "MESH_ORDER", ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
-    lay = WithSequence(dp_shard=2, cp=2, tp=2)
-    assert lay.name == "fsdp2xcp2xtp2" and lay.size == 8
+def test_an_axis_joins_by_registration():
+    """The context axis (distlm/layout/context.py) is its class, its degree field and two
+    registry entries: every named question, the roles' meshes, the name and the row divisor follow."""
+    cfg = load_config(None, ["model.vocab_size=256"])
+    lay = Layout(dp_shard=2, cp=2, tp=2)
+    assert lay.name == "fsdp2xtp2xcp2" and lay.size == 8
     assert lay.splits_sequence and not lay.splits_nothing
     assert lay.data_axes == ("dp_replicate", "dp_shard") and lay.dp_size == 2   # cp ranks read the same rows
     assert lay.loss_axes == ("dp_replicate", "dp_shard", "cp") and lay.loss_size == 4
     assert lay.shard_axes == ("dp_shard", "cp") and lay.shard_degree == 4
     assert lay.sequence_divisor(cfg) == 2 * 2 * 2  # 2 cp chunks per rank, then TP's sequence parallelism
-    assert WithSequence(cp=2).holds_whole_model and WithSequence(cp=2).shards_parameters
+    assert Layout(cp=2).shards_parameters and not Layout(cp=2).holds_whole_model
 
 
 # ---- the plan and its per-batch hook ------------------------------------------------------------

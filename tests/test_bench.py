@@ -147,6 +147,7 @@ SUITE_OPTIONS = {  # every suite, and the options that add steps
     "float8": [["--gpus", "4"], ["--gpus", "4", "--items", "loss", "--models", "llama-7b", "--loss-recipes",
                                  "tensorwise,rowwise", "--loss-steps", "200", "--memory-cap-gib", "79"]],
     "memory": [[], ["--optimizers", "muon", "--micro", "4,8", "--config", "gpt2-355m"]],
+    "context": [["--gpus", "4", "--loss-curves", "300"], ["--gpus", "2", "--contexts", "8192", "--large", "none"]],
 }
 
 
@@ -192,7 +193,7 @@ def test_every_suite_plans_commands_that_distlm_accepts(suite, capsys):
             cfg = load_config(config, [o for o in overrides if not o.startswith(("train.resume=", "data.dir="))])
             p = cfg.parallel
             if "--scaling" not in words and "parallel.engine=horovod" not in overrides:
-                assert p.dp_replicate * p.dp_shard * p.tp * p.pp == procs, (suite, words)
+                assert p.dp_replicate * p.dp_shard * p.tp * p.pp * p.cp == procs, (suite, words)
             checked += 1
     if suite != "prepare":
         assert checked, f"{suite}: no distlm command was checked"
@@ -282,6 +283,19 @@ def test_the_memory_suite_runs_every_registered_optimizer_and_compares_planned_w
                                                         "planned_mem_gb": 1.0, "peak_mem_gb": measured}))
         assert memory_report.main([str(folder)]) == rc, name
     assert "-20.0%" in memory_report.table(memory_report.rows([folder]))  # (planned - measured) / measured
+
+
+def test_the_context_suite_runs_a_split_row_on_the_cpu(tmp_path):
+    """The context suite's plumbing: one row split over 2 processes (gloo) through `distlm bench`."""
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "context", "--cpu", "--out", str(out), "--sizes", "2",
+                           "--contexts", "8192", "--large", "none", "--warmup", "1", "--steps", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert record["suite"] == "context" and record["step"] == "cp2-8k" and record["rc"] == 0, record
+    assert "parallel.cp=2" in record["command"] and "--nproc_per_node=2" in record["command"]
+    assert record["result"]["tokens_per_s"] > 0 and record["result"]["layout"]["cp"] == 2
 
 
 def test_time_to_loss_report_reads_the_suites_run_folders(tmp_path):

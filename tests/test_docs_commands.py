@@ -188,8 +188,9 @@ def validate_distlm(argv: list[str], world: int, engine: str = "torch") -> None:
             if product not in (1, world):
                 raise ConfigError(f"parallel degrees multiply to {product}, but horovodrun starts {world}")
         elif args.verb in ("train", "bench"):
+            from distlm.layout import Layout
             from distlm.parallel.dims import ParallelDims
-            ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size=world)
+            ParallelDims(**Layout.of(p).degrees(), world_size=world)  # every axis of the registry
     except ConfigError as e:
         raise AssertionError(f"distlm refuses it with {world} process(es): {e}") from None
 

@@ -44,15 +44,17 @@ from typing import Optional
 
 from distlm.errors import ConfigError
 from distlm.layout.axis import Axis, token_id_extras
+from distlm.layout.context import Context
 from distlm.layout.data import DataReplicate, DataShard
 from distlm.layout.pipeline import Pipeline
 from distlm.layout.tensor import Tensor
 
 # The registry: every axis, in the order of the config's fields and of layout names (ddp2xtp2).
-AXES: tuple[Axis, ...] = (DataReplicate(), DataShard(), Tensor(), Pipeline())
+AXES: tuple[Axis, ...] = (DataReplicate(), DataShard(), Tensor(), Pipeline(), Context())
 # The device mesh's dimensions, outermost first: tp innermost, so that its frequent
-# collectives stay on consecutive ranks (one node's fast links); pp outermost.
-MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+# collectives stay on consecutive ranks (one node's fast links); pp outermost. cp next to tp:
+# its all-gather runs in every attention layer, FSDP2's once per block.
+MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def axis_named(name: str) -> Axis:
@@ -66,6 +68,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def of(cls, p) -> "Layout":

@@ -112,6 +112,16 @@ class SoftcapLinear(nn.Linear):
         return self.softcap * torch.tanh(super().forward(x).float() / self.softcap)
 
 
+class AttentionOverride:
+    """An attention mask that runs the attention itself: the blocks pass it where a mask goes
+    (so their signatures, and the tensor-parallel plan that lays out their inputs, stay as
+    they are), and ``Attention`` hands it q, k, v and the dropout probability. What a model
+    holding only part of each row needs (distlm.parallel.context)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
@@ -171,7 +181,8 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1 and mask is None:  # a chunk after a prefix: query i sees keys up to start_pos + i
                     mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(start_pos)
-        y = attend(q, k, v, mask, causal, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        y = mask(q, k, v, dropout) if isinstance(mask, AttentionOverride) else attend(q, k, v, mask, causal, dropout)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
 
@@ -339,27 +350,38 @@ class GPT(nn.Module):
                     _copy_shard(p, full)
         self.init_buffers(device)
 
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Token ids -> the residual stream entering block 0 (positions added, dropout)."""
+    def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids -> the residual stream entering block 0 (positions added, dropout).
+        ``positions`` (T,): the tokens' positions in their row, where they are not
+        start_pos, start_pos + 1, ... (a part of each row, distlm.parallel.context)."""
         T = idx.shape[1]
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start_pos, start_pos + T, device=idx.device))
+            x = x + self.pos_emb(positions if positions is not None
+                                 else torch.arange(start_pos, start_pos + T, device=idx.device))
         elif self.cfg.position == "sinusoidal" and self.sinusoid.numel():
-            x = x + self.sinusoid[start_pos:start_pos + T].to(x.dtype)
+            table = self.sinusoid[positions] if positions is not None else self.sinusoid[start_pos:start_pos + T]
+            x = x + table.to(x.dtype)
         return self.drop(x)
 
-    def rope_at(self, start_pos: int, T: int):
+    def rope_at(self, start_pos: int, T: int, positions: torch.Tensor | None = None):
         if self.cfg.position != "rope":
             return None
+        if positions is not None:
+            return self.rope_cos[positions], self.rope_sin[positions]
         return self.rope_cos[start_pos:start_pos + T], self.rope_sin[start_pos:start_pos + T]
 
-    def attention_mask(self, idx: torch.Tensor, start_pos: int = 0, cache=None):
+    def attention_mask(self, idx: torch.Tensor, start_pos: int = 0, cache=None, shard=None):
         """The keys each query may see, for every block of this forward (distlm.model.attention):
         None for plain causal attention, else a dense boolean mask or, on CUDA, a
         FlexAttention BlockMask. With a KV cache (generation) document boundaries are not
-        applied: the context is taken as one document; the window is."""
+        applied: the context is taken as one document; the window is. With a ``shard`` (this
+        rank holds part of each row) the shard's attention across ranks, under the same rule."""
         cfg = self.cfg
+        if shard is not None:
+            if cfg.attn_mask == "doc" and cfg.eot_id is None:
+                raise ConfigError("model.attn_mask=doc needs model.eot_id, the end-of-text token id")
+            return shard.attention(cfg.eot_id if cfg.attn_mask == "doc" else None, cfg.attn_window)
         if cfg.attn_mask == "causal" and not cfg.attn_window:
             return None
         B, T = idx.shape[:2]
@@ -378,14 +400,17 @@ class GPT(nn.Module):
         return dense_mask(T, T, idx.device, docs=docs, window=cfg.attn_window)
 
     def forward(self, idx: torch.Tensor, cache=None, start_pos: int = 0, *,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, shard=None) -> torch.Tensor:
         """Logits, or with ``targets`` the mean next-token loss: then the head and the loss
         run inside the forward, so a compiled or DDP/FSDP-wrapped model fuses or hooks
-        them with the rest (see head_loss)."""
+        them with the rest (see head_loss). ``shard``: where ``idx``'s tokens sit in rows
+        split across ranks (distlm.parallel.context.SequenceShard): their positions, and
+        the attention that reaches the other ranks' keys."""
+        positions = shard.positions if shard is not None else None
         # A part without tok_emb (a pipeline stage) takes the residual stream as input.
-        x = self.embed(idx, start_pos) if self.tok_emb is not None else idx
-        rope = self.rope_at(start_pos, idx.shape[1])
-        mask = self.attention_mask(idx, start_pos, cache)
+        x = self.embed(idx, start_pos, positions) if self.tok_emb is not None else idx
+        rope = self.rope_at(start_pos, idx.shape[1], positions)
+        mask = self.attention_mask(idx, start_pos, cache, shard)
         ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
         skips = []  # U-net: outputs of the first half's blocks, last in first out
         for i, block in self.blocks.items():

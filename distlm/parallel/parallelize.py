@@ -59,8 +59,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     rank's stages under pipeline parallelism, else a ``PlainStep``. ``device`` and
     ``amp_dtype``: where and in which autocast dtype the plan's compute context runs.
 
-    The order, written once: pipeline split (prune to this rank's stages), TP, activation
-    checkpointing, compile, FSDP2, allocation + init, DDP. ``materialize(model)``
+    The order, written once: pipeline split (prune to this rank's stages), TP, the context
+    split's per-batch hook, activation checkpointing, compile, FSDP2, allocation + init, DDP. ``materialize(model)``
     allocates and initialises a meta-device model: after the sharding steps, so each rank
     allocates only its shards, and before DDP, whose constructor needs real tensors. An
     axis whose ranks need each micro-batch changed adds its per-batch hook to ``hooks``
@@ -80,6 +80,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         apply_tp(model, dims.mesh["tp"], pcfg)
         if pcfg.async_tp:
             enable_async_tp(dims.mesh["tp"])
+    if dims.cp > 1:  # the model is unchanged: each micro-batch is cut, and the forward told where it sits
+        from distlm.parallel.context import apply_context
+        hooks.append(apply_context(dims))
     if pcfg.activation_checkpoint != "none":
         apply_activation_checkpointing(model, pcfg.activation_checkpoint)
     if cfg.train.compile:
