@@ -22,8 +22,10 @@ from distlm.model.gpt import GPT
 # result's norm. Measured on the CPU with these shapes: forward 0.037, gradients 0.058-0.060.
 FORWARD_TOL = 0.05   # e4m3 x e4m3, relative to the fp32 product's norm
 BACKWARD_TOL = 0.08  # e5m2 x e4m3
-# The GPU training test's largest gap between a float8 and the bf16 loss curve, at any logged step
-# of 60 (the curve falls from 10.9 to about 0.25, so a step's loss moves by up to 1 nat).
+# The GPU training test's mean gap between a float8 and the bf16 loss curve over 60 steps, and
+# its gap at the end. The curve falls from 10.9 to about 0.25 (bf16, measured on the CPU), up to
+# 1 nat between two logged steps where it is steepest: a float8 run a fraction of a step behind
+# shows there as a gap of tenths, so single steps are not compared.
 LOSS_TOL = 0.15
 RECIPES = [TensorwiseRecipe, RowwiseRecipe]
 
@@ -216,6 +218,56 @@ def test_compiled_blocks_match_eager(mode):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7)
 
 
+# ---- FSDP2 and DDP (one 2-rank gloo launch, tests/float8_worker.py) -------------------------------
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path_factory.mktemp("float8-dist")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "tests" / "float8_worker.py"), str(out)], cwd=root, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return out
+
+
+@pytest.mark.skipif(not has_cpu_scaled_mm(), reason="this torch has no torch._scaled_mm on the CPU")
+@pytest.mark.parametrize("job", ["fsdp2-tensorwise", "fsdp2-rowwise", "ddp2-tensorwise"])
+def test_float8_under_fsdp2_and_ddp_matches_one_process(two_ranks, job):
+    """parallelize swaps the layers before FSDP2 shards them (or DDP wraps them): the float8
+    layers are there, the parameters and the state dict keep their names and fp32 dtype, and 3
+    AdamW steps on 2 ranks end close to where one process on the same global batches ends. Not
+    to fp32 rounding: each float8 matmul returns bf16, so a rank's half of a weight gradient is
+    rounded to 8 bits before the two halves are summed (one process rounds the whole sum once),
+    and AdamW's first steps turn such differences of small gradients into differences of up to
+    2 x lr. Measured on the 2-core box: losses within 3.3e-4, the weight matrices within 0.6% of
+    their norm; a weight that got no gradient would be 15% off."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import float8_worker as w
+    got = torch.load(two_ranks / f"{job}.pt", weights_only=True)
+    mode = job.split("-")[1]
+    cfg, model, gpt, opt = w.build([f"train.fp8={mode}"])
+    ref = w.summary(gpt, w.run_steps(cfg, model, opt))
+    assert got["float8_layers"] == ref["float8_layers"] == 2 * 6
+    plain = GPT(cfg.model)
+    assert got["state_dict"] == ref["state_dict"] == {k: str(v.dtype) for k, v in plain.state_dict().items()}
+    assert set(got["state_dict"].values()) == {"torch.float32"}
+    assert got["losses"] == pytest.approx(ref["losses"], abs=2e-3)
+    for name, p in ref["params"].items():
+        if p.ndim == 2:
+            assert rel(got["params"][name], p) < 2e-2, name
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 
 def test_hardware_refusals_name_the_device_and_capability():
@@ -283,8 +335,8 @@ def test_cuda_scaled_mm_forward_and_backward(cls):
 def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
     """60 steps on real text (the tiny preset memorises the small corpus: its loss goes from 10.9
     to about 0.25), bf16 and tensorwise compiled as a whole model, rowwise eager: the float8 runs'
-    losses within LOSS_TOL of bf16's at every logged step. Then the tensorwise run's checkpoint
-    resumes in bf16 for 10 more steps."""
+    loss curves within LOSS_TOL of bf16's on average and at the end. Then the tensorwise run's
+    checkpoint resumes in bf16 for 10 more steps."""
     from distlm.train.trainer import Trainer
     base = ["train.max_steps=60", "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=60",
             "log.progress=false", "log.tensorboard=false", "log.samples=0", f"log.root={tmp_path}",
@@ -299,7 +351,8 @@ def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
     assert curves["off"][-1] < 1.0, curves["off"]  # it learned
     for mode in ("tensorwise", "rowwise"):
         gaps = [abs(a - b) for a, b in zip(curves[mode], curves["off"])]
-        assert len(gaps) == len(curves["off"]) and max(gaps) < LOSS_TOL, (mode, curves)
+        assert len(gaps) == len(curves["off"]), (mode, curves)
+        assert sum(gaps) / len(gaps) < LOSS_TOL and gaps[-1] < LOSS_TOL, (mode, curves)
     t = Trainer(load_config("tiny", base + ["train.fp8=off", "log.name=tensorwise", "train.resume=auto",
                                             "train.compile=false", "train.max_steps=70"]))
     assert t.step == 60 and t.train()["step"] == 70
