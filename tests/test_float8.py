@@ -199,10 +199,11 @@ def test_the_model_trains_alike_in_emulated_float8_and_falls_back_on_short_input
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("mode", ["off", "tensorwise", "rowwise"])
 def test_compiled_blocks_match_eager(mode):
     """The autograd function with its recipe object traces under torch.compile, per block as
-    parallelize compiles them, in one graph (aot_eager: the graph capture without Inductor's kernels)."""
+    parallelize compiles them, in one graph (aot_eager: the graph capture without Inductor's
+    kernels); and a plain block, whose fused q/k/v product now asks its layer for a matmul, too."""
     eager, compiled = small_model(), small_model()
     for m in (eager, compiled):
         apply_float8(m, mode, emulate=True)
