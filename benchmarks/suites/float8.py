@@ -6,7 +6,7 @@
 Items, each a group of steps, all in one run of the suite so bf16 and float8 share the machine:
 
   speed     `distlm bench` of each model under FSDP2 on --gpus GPUs (gpt2-1.5b: micro-batch 16, ZeRO-2,
-            global batch 128; llama-7b: full activation checkpointing, micro-batch 2, global batch 32),
+            global batch 128; llama-7b: full activation checkpointing, micro-batch 4, global batch 32),
             compiled per block, synthetic tokens, once in bf16 and once per recipe: tokens/s, the
             float8/bf16 ratio, MFU (against the dense bf16 peak, as every MFU here), peak memory.
             About 1.5 min per bench on 4 x H100 (most of it start-up and compilation).
@@ -33,7 +33,7 @@ from suites import add_common
 SPEED = {
     "gpt2-1.5b": ["train.micro_batch_size=16", "train.global_batch_size=128", "parallel.reshard_after_forward=false",
                   "train.compile=true", "train.compile_scope=block"],
-    "llama-7b": ["parallel.activation_checkpoint=full", "train.micro_batch_size=2", "train.global_batch_size=32",
+    "llama-7b": ["parallel.activation_checkpoint=full", "train.micro_batch_size=4", "train.global_batch_size=32",
                  "train.compile=true", "train.compile_scope=block"],
 }
 LOSS = {
