@@ -1,10 +1,14 @@
 """Float8 against bf16 (train.fp8): tokens/s of large models under FSDP2, the loss after N steps of real text, speedrun-124m.
 
-    python benchmarks/run.py float8 --gpus 4 [--items speed,loss,speedrun] [--models gpt2-1.5b,llama-7b]
-        [--recipes tensorwise,rowwise] [--loss-steps 1000] [--loss-recipes tensorwise] [--corpus DIR]
+    python benchmarks/run.py float8 --gpus 4 [--items layer,speed,loss,speedrun] [--models gpt2-1.5b,llama-7b]
+        [--recipes tensorwise,rowwise] [--loss-steps 1000] [--loss-recipes tensorwise] [--corpus DIR] [--profile]
 
 Items, each a group of steps, all in one run of the suite so bf16 and float8 share the machine:
 
+  layer     one linear layer of each model's blocks, forward + backward, compiled, on one GPU: bf16,
+            each recipe, and the float8 matmuls alone on ready operands, so the casts' and
+            transposes' cost is seen apart from the matmuls' gain (benchmarks/tools/float8_layer.py;
+            about a minute).
   speed     `distlm bench` of each model under FSDP2 on --gpus GPUs (gpt2-1.5b: micro-batch 16, ZeRO-2,
             global batch 128; llama-7b: full activation checkpointing, micro-batch 4, global batch 32),
             compiled per block, synthetic tokens, once in bf16 and once per recipe: tokens/s, the
@@ -40,7 +44,7 @@ LOSS = {
     "gpt2-1.5b": ["train.global_batch_size=16", "train.micro_batch_size=4", "parallel.reshard_after_forward=false"],
     "llama-7b": ["train.global_batch_size=4", "train.micro_batch_size=1", "parallel.activation_checkpoint=full"],
 }
-ITEMS = ("speed", "loss", "speedrun")
+ITEMS = ("layer", "speed", "loss", "speedrun")
 # What --cpu runs instead of the models: tiny, so every step finishes in seconds.
 CPU = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.d_ff=128", "model.block_size=32",
        "train.device=cpu", "train.compile=false", "model.loss_chunk=0", "train.global_batch_size=8",
@@ -57,6 +61,7 @@ def add_arguments(p) -> None:
     p.add_argument("--loss-steps", type=int, default=1000, help="training steps of each loss run (default 1000)")
     p.add_argument("--corpus", default="../shared/data/corpus", help="folder holding gutenberg/ sotu/ gcide/")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="hold each process to this much GPU memory")
+    p.add_argument("--profile", action="store_true", help="speed: also profile each bench (device time by category)")
 
 
 def names(text: str, allowed, what: str) -> list[str]:
@@ -85,6 +90,11 @@ def plan(args, ctx: Context) -> list[Step]:
     def shrink(cmd: list[str]) -> list[str]:
         return [*cmd, *CPU] if ctx.cpu else cmd
 
+    if "layer" in items:
+        for model in models:
+            tool = [ctx.python, "benchmarks/tools/float8_layer.py", "--model", model,
+                    "--micro", micro_of(SPEED[model]), "--json", "{dir}/result.json"]
+            steps.append(Step(f"layer-{model}", tool + (["--cpu"] if ctx.cpu else [])))
     if "speed" in items:
         flags = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--json", "{dir}/result.json",
                  "--no-comm-probe"]
@@ -95,7 +105,8 @@ def plan(args, ctx: Context) -> list[Step]:
                 name = f"speed-{model}-{recipe}"
                 cmd = shrink(["bench", "--config", model, "data.source=synthetic", "train.on_nan=off", *fsdp,
                               *SPEED[model], fp8(recipe), *args.set])
-                steps.append(Step(name, ctx.distlm([*cmd, *flags], gpus)))
+                profile = ["--profile", "{dir}/profile"] if args.profile else []
+                steps.append(Step(name, ctx.distlm([*cmd, *flags, *profile], gpus)))
                 report.append(f"speed:{model}:{recipe}={{out}}/{{stamp}}-{name}/result.json")
     if "loss" in items or "speedrun" in items:
         steps.append(Step("corpus", ["bash", "-c", '"$0" scripts/build_speedrun_corpus.py "$1" "$2/text" && '
@@ -124,8 +135,13 @@ def plan(args, ctx: Context) -> list[Step]:
                           *args.set])
             steps.append(Step(name, cleaned(ctx.distlm(cmd, 1), run)))
             report.append(f"speedrun:speedrun-124m:{recipe}={run}@{{out}}/{{stamp}}-{name}/launch_time.txt")
-    steps.append(Step("report", [ctx.python, "benchmarks/tools/float8_report.py", "{dir}", *report]))
+    if report:  # the layer item prints its own table
+        steps.append(Step("report", [ctx.python, "benchmarks/tools/float8_report.py", "{dir}", *report]))
     return steps
+
+
+def micro_of(overrides: list[str]) -> str:
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith("train.micro_batch_size="))
 
 
 def cleaned(launch: list[str], run: str) -> list[str]:
