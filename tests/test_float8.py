@@ -335,7 +335,7 @@ def test_cuda_scaled_mm_forward_and_backward(cls):
 @pytest.mark.skipif(not float8_gpu(), reason="needs a CUDA GPU of capability 8.9+")
 def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
     """60 steps on real text (the tiny preset memorises the small corpus: its loss goes from 10.9
-    to about 0.25), bf16 and tensorwise compiled as a whole model, rowwise eager: the float8 runs'
+    to about 0.25), bf16 eager, tensorwise compiled as a whole model, rowwise eager: the float8 runs'
     loss curves within LOSS_TOL of bf16's on average and at the end. Then the tensorwise run's
     checkpoint resumes in bf16 for 10 more steps."""
     from distlm.train.trainer import Trainer
@@ -343,7 +343,8 @@ def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
             "log.progress=false", "log.tensorboard=false", "log.samples=0", f"log.root={tmp_path}",
             f"data.dir={tiny_data}", "log.every=3", "model.block_size=64"]
     curves = {}
-    for mode, compiled in (("off", True), ("tensorwise", True), ("rowwise", False)):
+    # one compiled run (compiling is most of this test's time; 3 passed in 99.8 s on an H200 with two)
+    for mode, compiled in (("off", False), ("tensorwise", True), ("rowwise", False)):
         t = Trainer(load_config("tiny", base + [f"train.fp8={mode}", f"log.name={mode}",
                                                 f"train.compile={str(compiled).lower()}"]))
         assert t.train()["step"] == 60

@@ -8,6 +8,8 @@ the attention output, the MLP's), compiled with torch.compile like a block:
   bf16         F.linear on bf16 operands, forward + backward
   tensorwise,  distlm's float8 layer (distlm/model/float8.py), forward + backward, casts included
   rowwise
+  tensorwise, fast-accumulating gradients: the same with the backward's two matmuls in the
+               tensor cores' fast accumulation too (training keeps it off)
   fp8 mm only  the three torch._scaled_mm calls on operands already in float8 and in the layouts
                the kernel wants: the floor the casts, scales and transposes add to
 Times are CUDA-event medians over --iters calls after a warm-up. A float8 layer slower than
@@ -115,9 +117,10 @@ def main(argv=None) -> int:
         w = (0.02 * torch.randn(N, K, generator=gen)).to(device, torch.bfloat16).requires_grad_()
         g = torch.randn(M, N, generator=gen).to(device, torch.bfloat16)
         variants = {"bf16": compile_(lambda x, w: F.linear(x, w))}
-        for mode in ("tensorwise", "rowwise"):
-            recipe = RECIPES[mode](emulate=cpu)
-            variants[mode] = compile_(lambda x, w, recipe=recipe: float8_linear(x, w, None, recipe))
+        for key, mode, fast in (("tensorwise", "tensorwise", False), ("rowwise", "rowwise", False),
+                                ("tensorwise_fast_grads", "tensorwise", True)):
+            recipe = RECIPES[mode](emulate=cpu, fast_accum_grads=fast)
+            variants[key] = compile_(lambda x, w, recipe=recipe: float8_linear(x, w, None, recipe))
         row = {"layer": name, "M": M, "K": K, "N": N}
         for key, fwd in variants.items():
             step = layer_step(fwd, x, w, g)
@@ -130,19 +133,18 @@ def main(argv=None) -> int:
         rows.append(row)
     print(f"{args.model if not cpu else 'tiny (CPU, emulated)'}, micro-batch {args.micro}, "
           f"{torch.cuda.get_device_name() if not cpu else 'CPU'}, torch {torch.__version__}; ms per forward + backward")
-    print("| layer | M x K x N | bf16 | tensorwise | rowwise | fp8 mm only | tensorwise × bf16 | casts etc. (tensorwise) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['layer']} | {r['M']} x {r['K']} x {r['N']} | {1e3 * r['bf16']:.3f} | {1e3 * r['tensorwise']:.3f} "
-              f"| {1e3 * r['rowwise']:.3f} | {1e3 * r['fp8_mm_only']:.3f} | {r['bf16'] / r['tensorwise']:.2f} "
-              f"| {1e3 * (r['tensorwise'] - r['fp8_mm_only']):.3f} |")
-    total = {k: sum(r[k] for r in rows) for k in ("bf16", "tensorwise", "rowwise", "fp8_mm_only")}
-    print(f"| block | | {1e3 * total['bf16']:.3f} | {1e3 * total['tensorwise']:.3f} | {1e3 * total['rowwise']:.3f} "
-          f"| {1e3 * total['fp8_mm_only']:.3f} | {total['bf16'] / total['tensorwise']:.2f} "
-          f"| {1e3 * (total['tensorwise'] - total['fp8_mm_only']):.3f} |")
+    keys = ("bf16", "tensorwise", "rowwise", "tensorwise_fast_grads", "fp8_mm_only")
+    print("| layer | M x K x N | bf16 | tensorwise | rowwise | tensorwise, fast-accumulating gradients "
+          "| fp8 mm only | tensorwise × bf16 | casts etc. (tensorwise) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    total = {"layer": "block", "M": "", "K": "", "N": "", **{k: sum(r[k] for r in rows) for k in keys}}
+    for r in [*rows, total]:
+        shape = f"{r['M']} x {r['K']} x {r['N']}" if r["M"] else ""
+        print(f"| {r['layer']} | {shape} | " + " | ".join(f"{1e3 * r[k]:.3f}" for k in keys)
+              + f" | {r['bf16'] / r['tensorwise']:.2f} | {1e3 * (r['tensorwise'] - r['fp8_mm_only']):.3f} |")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "micro": args.micro, "rows": rows, "total_s": total},
-                                        indent=1))
+        args.json.write_text(json.dumps({"model": args.model, "micro": args.micro, "rows": rows,
+                                         "total_s": {k: total[k] for k in keys}}, indent=1))
     return 0
 
 

@@ -57,6 +57,9 @@ class Float8Recipe:
     checking the kernel against it)."""
     name = ""
     emulate: bool = False
+    # The gradients' matmuls with the float8 tensor cores' fast (lower-precision) accumulation, as
+    # the forward's: off in training, as is usual; benchmarks/tools/float8_layer.py measures both.
+    fast_accum_grads: bool = False
 
     def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         raise NotImplementedError
@@ -117,9 +120,9 @@ class TensorwiseRecipe(Float8Recipe):
         g8, sg = self.quantize(grad, E5M2, dim=1)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = self.mm(g8, to_float8(w, sw.reciprocal(), E4M3), sg, sw).to(x_dtype)
+            grad_x = self.mm(g8, to_float8(w, sw.reciprocal(), E4M3), sg, sw, self.fast_accum_grads).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = self.mm(g8.t(), x8, sg, sx).to(w_dtype)
+            grad_w = self.mm(g8.t(), x8, sg, sx, self.fast_accum_grads).to(w_dtype)
         return grad_x, grad_w
 
 
@@ -143,9 +146,9 @@ class RowwiseRecipe(Float8Recipe):
         grad_x = grad_w = None
         # The gradient is always the left operand: the rowwise kernel takes e4m3 only on the right.
         if ctx.needs_input_grad[0]:
-            grad_x = self.matmul(grad, w, E5M2, E4M3).to(x.dtype)
+            grad_x = self.matmul(grad, w, E5M2, E4M3, self.fast_accum_grads).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = self.matmul(grad.t(), x, E5M2, E4M3).to(w.dtype)
+            grad_w = self.matmul(grad.t(), x, E5M2, E4M3, self.fast_accum_grads).to(w.dtype)
         return grad_x, grad_w
 
 
