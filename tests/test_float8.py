@@ -22,10 +22,10 @@ from distlm.model.gpt import GPT
 # result's norm. Measured on the CPU with these shapes: forward 0.037, gradients 0.058-0.060.
 FORWARD_TOL = 0.05   # e4m3 x e4m3, relative to the fp32 product's norm
 BACKWARD_TOL = 0.08  # e5m2 x e4m3
-# The GPU training test's mean gap between a float8 and the bf16 loss curve over 60 steps, and
-# its gap at the end. The curve falls from 10.9 to about 0.25 (bf16, measured on the CPU), up to
-# 1 nat between two logged steps where it is steepest: a float8 run a fraction of a step behind
-# shows there as a gap of tenths, so single steps are not compared.
+# The GPU training test's largest gap between a float8 and the bf16 loss curve, at any logged step
+# of 60 (the curve falls from 10.9 to about 0.24, by up to 1 nat between two logged steps). The same
+# runs on the CPU with the emulated matmul (train.dtype=bf16, tensorwise): largest gap 0.056, mean
+# 0.012, final 0.007.
 LOSS_TOL = 0.15
 RECIPES = [TensorwiseRecipe, RowwiseRecipe]
 
@@ -336,7 +336,7 @@ def test_cuda_scaled_mm_forward_and_backward(cls):
 def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
     """60 steps on real text (the tiny preset memorises the small corpus: its loss goes from 10.9
     to about 0.25), bf16 eager, tensorwise compiled as a whole model, rowwise eager: the float8 runs'
-    loss curves within LOSS_TOL of bf16's on average and at the end. Then the tensorwise run's
+    loss curves within LOSS_TOL of bf16's at every logged step. Then the tensorwise run's
     checkpoint resumes in bf16 for 10 more steps."""
     from distlm.train.trainer import Trainer
     base = ["train.max_steps=60", "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=60",
@@ -354,7 +354,7 @@ def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
     for mode in ("tensorwise", "rowwise"):
         gaps = [abs(a - b) for a, b in zip(curves[mode], curves["off"])]
         assert len(gaps) == len(curves["off"]), (mode, curves)
-        assert sum(gaps) / len(gaps) < LOSS_TOL and gaps[-1] < LOSS_TOL, (mode, curves)
+        assert max(gaps) < LOSS_TOL, (mode, curves)
     t = Trainer(load_config("tiny", base + ["train.fp8=off", "log.name=tensorwise", "train.resume=auto",
                                             "train.compile=false", "train.max_steps=70"]))
     assert t.step == 60 and t.train()["step"] == 70
