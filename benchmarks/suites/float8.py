@@ -13,20 +13,21 @@ Items, each a group of steps, all in one run of the suite so bf16 and float8 sha
             global batch 128; llama-7b: full activation checkpointing, micro-batch 4, global batch 32),
             compiled per block, synthetic tokens, once in bf16 and once per recipe: tokens/s, the
             float8/bf16 ratio, MFU (against the dense bf16 peak, as every MFU here), peak memory.
-            About 1.5 min per bench on 4 x H100 (most of it start-up and compilation).
+            About 1.5 min per gpt2-1.5b bench on 4 x H200 (most of it start-up and compilation).
   loss      `distlm train` of each model for --loss-steps steps on real text (the time-to-loss corpus,
             prepared on the machine), bf16 and each --loss-recipes, same seed and data order: the final
             validation loss and the mean training loss of the last tenth. gpt2-1.5b at global batch 16
-            (16k tokens a step), llama-7b at global batch 4 (8k tokens); at 1,000 steps about 3 min per
-            gpt2-1.5b run and 4-5 min per llama-7b run on 4 x H100 (each run writes its final checkpoint,
-            deleted after the step).
+            (16k tokens a step), llama-7b at global batch 4 (8k tokens); at 1,000 steps an estimated
+            3 min per gpt2-1.5b run and 4-5 min per llama-7b run on 4 GPUs, from the speed item's tok/s
+            (not yet timed; each run writes its final checkpoint, deleted after the step).
   speedrun  the `speedrun-124m` recipe on one GPU, bf16 and each --recipes: seconds from launch to the
             end, final validation loss, tokens/s (the time-to-loss suite's `speedrun-fp8` runs do the
             same against the nanoGPT baseline).
 
 A last step prints one compact table per item (benchmarks/tools/float8_report.py). With --cpu every
 step shrinks to a tiny model on the CPU, where float8 is refused, so its float8 steps run with
-train.fp8=off: that checks the plumbing and the report, and measures nothing.
+train.fp8=off (and the layer tool emulates float8 on tiny shapes): that checks the plumbing and the
+report, and measures nothing.
 """
 from __future__ import annotations
 
