@@ -144,8 +144,9 @@ SUITE_OPTIONS = {  # every suite, and the options that add steps
                                   "aten_distributed_optimizations.enable_overlap_scheduling=true"]],
     "prepare": [["--workers", "1,2", "--size-mb", "64"]],
     "multi-node": [["--gpus", "4"], ["--gpus", "2", "--emulate", "disable", "--compile"]],
-    "float8": [["--gpus", "4"], ["--gpus", "4", "--items", "loss", "--models", "llama-7b", "--loss-recipes",
-                                 "tensorwise,rowwise", "--loss-steps", "200", "--memory-cap-gib", "79"]],
+    "float8": [["--gpus", "4", "--profile"], ["--gpus", "4", "--items", "loss", "--models", "llama-7b",
+                                              "--loss-recipes", "tensorwise,rowwise", "--loss-steps", "200",
+                                              "--memory-cap-gib", "79"]],
     "memory": [[], ["--optimizers", "muon", "--micro", "4,8", "--config", "gpt2-355m"]],
     "context": [["--gpus", "4", "--loss-curves", "300"], ["--gpus", "2", "--contexts", "8192", "--large", "none"]],
 }
@@ -351,11 +352,14 @@ def test_float8_suite_plans_bf16_beside_each_recipe_and_reports_them(tmp_path, c
     assert "--items 'nonesuch'" in capsys.readouterr().err
     out = tmp_path / "o"
     proc = subprocess.run([sys.executable, "benchmarks/run.py", "float8", "--cpu", "--out", str(out), "--items",
-                           "speed", "--models", "gpt2-1.5b", "--recipes", "tensorwise", "--warmup", "1",
+                           "layer,speed", "--models", "gpt2-1.5b", "--recipes", "tensorwise", "--warmup", "1",
                            "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == ["speed-gpt2-1.5b-off", "speed-gpt2-1.5b-tensorwise", "report"]
+    assert [r["step"] for r in records] == ["layer-gpt2-1.5b", "speed-gpt2-1.5b-off", "speed-gpt2-1.5b-tensorwise",
+                                            "report"]
+    layer = records[0]["result"]["rows"][0]
+    assert all(layer[k] > 0 for k in ("bf16", "tensorwise", "rowwise", "fp8_mm_only"))
     table = {(r["model"], r["recipe"]): r for r in records[-1]["result"]}
     assert table[("gpt2-1.5b", "off")]["ok"] and table[("gpt2-1.5b", "tensorwise")]["tokens_per_s"] > 0
     assert "| gpt2-1.5b | tensorwise |" in proc.stdout

@@ -51,15 +51,18 @@ AMAX_FLOOR = 1e-12
 
 @dataclass(frozen=True)
 class Float8Recipe:
-    """How operands are scaled. ``emulate``: the matmul in fp32 on the dequantised operands
-    instead of torch._scaled_mm (the same rounding of the inputs; for CPUs and for checking the
-    kernel against it)."""
-    name = "tensorwise"
+    """How a linear layer's three matmuls get their float8 operands: the scaling (``amax``) and
+    what is kept from the forward for the backward. ``emulate``: each matmul in fp32 on the
+    dequantised operands instead of torch._scaled_mm (the same rounded inputs; for CPUs and for
+    checking the kernel against it)."""
+    name = ""
     emulate: bool = False
+    # The gradients' matmuls with the float8 tensor cores' fast (lower-precision) accumulation, as
+    # the forward's: off in training, as is usual; benchmarks/tools/float8_layer.py measures both.
+    fast_accum_grads: bool = False
 
     def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """The absolute maximum that sets ``t``'s scale: of the whole tensor."""
-        return t.abs().amax().float()
+        raise NotImplementedError
 
     def quantize(self, t: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``t`` in float8 ``dtype``, and the inverse scale that torch._scaled_mm multiplies back
@@ -67,11 +70,9 @@ class Float8Recipe:
         scale = power_of_two_scale(self.amax(t, dim), dtype)
         return to_float8(t, scale, dtype), scale.reciprocal()
 
-    def matmul(self, a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
-               fast_accum: bool = False) -> torch.Tensor:
-        """a (M, K) @ b (K, N), each operand cast to float8 with its own scales; bf16 out."""
-        a8, sa = self.quantize(a, a_dtype, dim=1)
-        b8, sb = self.quantize(b, b_dtype, dim=0)
+    def mm(self, a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+           fast_accum: bool = False) -> torch.Tensor:
+        """a8 (M, K) @ b8 (K, N) in float8, with inverse scales sa and sb; bf16 out."""
         if self.emulate:
             return ((a8.float() * sa) @ (b8.float() * sb)).to(torch.bfloat16)
         # Row-major left, column-major right: a copy only where the operand is laid out otherwise
@@ -79,17 +80,81 @@ class Float8Recipe:
         a8, b8 = a8.contiguous(), b8.t().contiguous().t()
         return torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
+               fast_accum: bool = False) -> torch.Tensor:
+        """a (M, K) @ b (K, N), each operand cast to float8 with its own scales; bf16 out."""
+        a8, sa = self.quantize(a, a_dtype, dim=1)
+        b8, sb = self.quantize(b, b_dtype, dim=0)
+        return self.mm(a8, b8, sa, sb, fast_accum)
+
+    def forward(self, ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (M, K) @ w^T for w (N, K): the layer's forward, saving on ``ctx`` what backward needs."""
+        raise NotImplementedError
+
+    def backward(self, ctx, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TensorwiseRecipe(Float8Recipe):
+    """One scale per operand. The float8 activations and both scales are kept from the forward
+    (half the bytes of the bf16 activations a plain linear keeps) and the output gradient is cast
+    once for both of its matmuls; the weight is kept as it came and cast again with its saved
+    scale, since a float8 copy of every unsharded weight would outlive FSDP2's resharding.
+    That is eager. Compiled, AOTAutograd's partitioner decides what is kept: for a GPT-2 block
+    on the CPU (2026-11-27) it kept the bf16 inputs and the scales, and casts again in the backward."""
+    name = "tensorwise"
+
+    def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.abs().amax().float()
+
+    def forward(self, ctx, x, w):
+        x8, sx = self.quantize(x, E4M3, dim=1)
+        w8, sw = self.quantize(w, E4M3, dim=1)
+        ctx.save_for_backward(x8, sx, w, sw)
+        ctx.dtypes = x.dtype, w.dtype
+        # Fast accumulation in the forward only, as is usual: gradients keep the full-precision sum.
+        return self.mm(x8, w8.t(), sx, sw, fast_accum=True)
+
+    def backward(self, ctx, grad):
+        x8, sx, w, sw = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g8, sg = self.quantize(grad, E5M2, dim=1)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = self.mm(g8, to_float8(w, sw.reciprocal(), E4M3), sg, sw, self.fast_accum_grads).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = self.mm(g8.t(), x8, sg, sx, self.fast_accum_grads).to(w_dtype)
+        return grad_x, grad_w
+
 
 @dataclass(frozen=True)
 class RowwiseRecipe(Float8Recipe):
+    """One scale per row of the left operand and per column of the right one, each along the
+    contraction dim. The backward contracts along other dims than the forward, so its operands
+    are cast again from the originals, which are what is kept."""
     name = "rowwise"
 
     def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """One absolute maximum per row (dim=1) or per column (dim=0), kept as a (M, 1) or (1, N) column."""
         return t.abs().amax(dim=dim, keepdim=True).float()
 
+    def forward(self, ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return self.matmul(x, w.t(), E4M3, E4M3, fast_accum=True)
 
-RECIPES: dict[str, Optional[type[Float8Recipe]]] = {"off": None, "tensorwise": Float8Recipe,
+    def backward(self, ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_x = grad_w = None
+        # The gradient is always the left operand: the rowwise kernel takes e4m3 only on the right.
+        if ctx.needs_input_grad[0]:
+            grad_x = self.matmul(grad, w, E5M2, E4M3, self.fast_accum_grads).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = self.matmul(grad.t(), x, E5M2, E4M3, self.fast_accum_grads).to(w.dtype)
+        return grad_x, grad_w
+
+
+RECIPES: dict[str, Optional[type[Float8Recipe]]] = {"off": None, "tensorwise": TensorwiseRecipe,
                                                     "rowwise": RowwiseRecipe}
 
 
@@ -110,28 +175,17 @@ def to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x (M, K) @ w^T for w (N, K), the three matmuls of a linear layer each in float8. Saves x and
-    w as they came (x in the compute dtype, w in the parameter's), not in float8: rowwise
-    scales the weight gradient's operands along another dim than the forward's, so they are
-    quantised again from the originals."""
+    """x (M, K) @ w^T for w (N, K), the three matmuls of a linear layer each in float8, as the
+    recipe does them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
         ctx.recipe = recipe
-        # Fast accumulation in the forward only, as is usual: gradients keep the full-precision sum.
-        return recipe.matmul(x, w.t(), E4M3, E4M3, fast_accum=True)
+        return recipe.forward(ctx, x, w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        recipe = ctx.recipe
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = recipe.matmul(grad, w, E5M2, E4M3).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = recipe.matmul(grad.t(), x, E5M2, E4M3).to(w.dtype)
-        return grad_x, grad_w, None
+        return (*ctx.recipe.backward(ctx, grad), None)
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -155,7 +209,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 class Float8Linear(nn.Linear):
     """nn.Linear whose matmul runs in float8 (``float8_linear``); same parameters, same names."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: Float8Recipe = Float8Recipe(),
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: Float8Recipe = TensorwiseRecipe(),
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
@@ -200,8 +254,10 @@ def apply_float8(model: nn.Module, mode: str, emulate: bool = False) -> int:
 
 
 def check_float8_device(mode: str, device_type: str, capability: Optional[tuple[int, int]] = None) -> None:
-    """Refuse train.fp8 where the matmuls cannot run in float8: a CPU (torch._scaled_mm has
-    no fast path there; the emulation is for tests) or a GPU older than capability 8.9."""
+    """Refuse train.fp8 where the matmuls cannot run in float8 fast: a CPU, or a GPU older than
+    capability 8.9. torch 2.13 has a CPU torch._scaled_mm, but no fast one: on the 2-core box
+    (loaded by other work, 2026-11-27) a training step of a 4-block, 128-wide model took 424 s
+    with it, against 8-12 s in bf16 and 14-19 s with the emulation. The tests use both."""
     if mode == "off":
         return
     if device_type != "cuda":

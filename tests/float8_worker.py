@@ -1,0 +1,97 @@
+"""Float8 layers under FSDP2 and DDP in one torchrun launch of 2 gloo processes (tests/test_float8.py).
+
+    torchrun --standalone --nproc_per_node 2 tests/float8_worker.py OUT_DIR
+
+Each job builds the model through distlm.parallel.parallelize with train.fp8 set (so the swap
+happens where a training run does it, before the parallel wrappers), takes a few AdamW steps on
+fixed global batches with the float8 matmuls running on torch._scaled_mm's CPU kernel, and rank 0
+writes the full parameters, the losses, the number of float8 layers and the state dict's keys
+and dtypes to OUT_DIR/JOB.pt. ``build`` and ``run_steps`` are also the single-process reference.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from distlm.config import load_config
+from distlm.model.float8 import Float8Linear
+from distlm.model.gpt import GPT
+from distlm.model.loss import lm_loss
+from distlm.parallel import ParallelDims, init_distributed, parallelize
+from distlm.train.optim import build_optimizer
+
+STEPS, BATCH = 3, 8
+# Widths that are multiples of 16 (float8 tiles); each rank's 4 x 16 tokens are too.
+# AdamW's eps is raised to 1e-5: the k-projection's bias gets no gradient but rounding noise
+# (softmax ignores a shift of all keys), which eps=1e-8 turns into full +-lr steps.
+MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=96", "model.block_size=16",
+         "model.vocab_size=256", "model.position=learned", "model.tie_embeddings=false", "train.lr=1e-3",
+         "train.eps=1e-5", "train.global_batch_size=8", "train.micro_batch_size=4", "train.compile=false",
+         "parallel.timeout_s=60"]
+JOBS = {"fsdp2-tensorwise": ["parallel.dp_shard=2", "train.fp8=tensorwise"],
+        "fsdp2-rowwise": ["parallel.dp_shard=2", "train.fp8=rowwise"],
+        "ddp2-tensorwise": ["parallel.dp_replicate=2", "train.fp8=tensorwise"]}
+
+
+def build(overrides: list[str], dims: ParallelDims | None = None):
+    """(config, model to train, plain GPT, optimizer) for this layout (one process: dims=None)."""
+    cfg = load_config(None, MODEL + overrides)
+    dims = dims or ParallelDims()
+    with torch.device("meta"):
+        gpt = GPT(cfg.model)
+
+    def materialize(m):
+        m.to_empty(device=torch.device("cpu"))
+        m.init_weights(cfg.train.seed)
+
+    model = parallelize(gpt, dims, cfg, materialize)[0]
+    return cfg, model, gpt, build_optimizer(model, cfg.train, "cpu")
+
+
+def run_steps(cfg, model, opt, dims: ParallelDims | None = None) -> list[float]:
+    losses = []
+    dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
+    per = BATCH // dp_size
+    for step in range(STEPS):
+        t = torch.randint(0, cfg.model.vocab_size, (BATCH, cfg.model.block_size + 1),
+                          generator=torch.Generator().manual_seed(1000 + step))
+        x, y = t[dp_rank * per:(dp_rank + 1) * per, :-1], t[dp_rank * per:(dp_rank + 1) * per, 1:]
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if dp_size > 1:  # the mean over the global batch, as one process computes it
+            import torch.distributed as dist
+            dist.all_reduce(loss, group=dims.dp_mesh.get_group())
+            loss = loss / dp_size
+        losses.append(float(loss))
+    return losses
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def summary(gpt, losses: list[float]) -> dict:
+    """What the test compares. Collective (full_tensor)."""
+    return {"params": {n: full(p) for n, p in gpt.named_parameters()}, "losses": losses,
+            "float8_layers": sum(isinstance(m, Float8Linear) for m in gpt.modules()),
+            "state_dict": {k: str(v.dtype) for k, v in gpt.state_dict().items()}}
+
+
+def main(out: str) -> None:
+    out_dir = Path(out)
+    for name, overrides in JOBS.items():
+        cfg = load_config(None, MODEL + overrides)
+        dims = init_distributed(cfg.parallel, "cpu")
+        cfg, model, gpt, opt = build(overrides, dims)
+        result = summary(gpt, run_steps(cfg, model, opt, dims))
+        if dims.is_main:
+            torch.save(result, out_dir / f"{name}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
