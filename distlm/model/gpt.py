@@ -347,6 +347,25 @@ class GPT(nn.Module):
             x = x + self.sinusoid[start_pos:start_pos + T].to(x.dtype)
         return self.drop(x)
 
+    # The work outside the blocks, as methods of their own so that a model compiled per block
+    # compiles each as a small graph too (distlm.parallel.parallelize.apply_compile): eager,
+    # it is separate kernels over the (tokens x d) fp32 residual stream, forward and backward.
+    # The head and the loss (head_loss) are compiled the same way.
+    compiled_regions = ("embed_tokens", "add_skip")
+
+    def embed_tokens(self, idx: torch.Tensor, start_pos: int = 0):
+        """Token ids -> (the residual stream entering block 0, the value embeddings: a list
+        of (B, T, d) tensors, one per table, or None). One graph compiled: the tables' rows
+        are gathered in one pass, and their gradients scattered in one pass."""
+        x = self.embed(idx, start_pos)
+        ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
+        return x, ves
+
+    def add_skip(self, x: torch.Tensor, skip: torch.Tensor, gate: Scalar) -> torch.Tensor:
+        """A U-net skip entering the residual stream: x + gate * skip. Every skip has the same
+        shapes, so compiled it is one graph reused by all of them (the gate is an input)."""
+        return x + gate(skip)
+
     def rope_at(self, start_pos: int, T: int):
         if self.cfg.position != "rope":
             return None
@@ -380,11 +399,11 @@ class GPT(nn.Module):
         """Logits, or with ``targets`` the mean next-token loss: then the head and the loss
         run inside the forward, so a compiled or DDP/FSDP-wrapped model fuses or hooks
         them with the rest (see head_loss)."""
-        # A part without tok_emb (a pipeline stage) takes the residual stream as input.
-        x = self.embed(idx, start_pos) if self.tok_emb is not None else idx
+        # A part without tok_emb (a pipeline stage) takes the residual stream as input; it has
+        # no value embeddings (config validation: they need the token ids).
+        x, ves = self.embed_tokens(idx, start_pos) if self.tok_emb is not None else (idx, None)
         rope = self.rope_at(start_pos, idx.shape[1])
         mask = self.attention_mask(idx, start_pos, cache)
-        ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
         skips = []  # U-net: outputs of the first half's blocks, last in first out
         for i, block in self.blocks.items():
             layer = int(i)
@@ -394,7 +413,7 @@ class GPT(nn.Module):
                 # graph per kind of input (value embedding or not) instead of four (and a
                 # fifth for the middle block, whose skip is its own input). The gates are
                 # the root's parameters, which FSDP2 gathers for this whole forward.
-                x = x + self.skip_weights[i](skips.pop())
+                x = self.add_skip(x, skips.pop(), self.skip_weights[i])
             x = block(x, rope, cache.layer(layer) if cache is not None else None, start_pos, mask, True,
                       ves[table] if table is not None else None)
             if self.cfg.skip_connections and layer < self.cfg.n_layer // 2:
