@@ -145,3 +145,31 @@ def test_regions_stay_eager_under_tensor_parallelism():
     apply_compile(tp, "block")
     assert set(REGIONS) <= set(plain.compiled_regions) and set(REGIONS) <= set(vars(plain))
     assert not set(REGIONS) & set(vars(tp))
+
+
+def test_the_warm_up_budget_counts_the_skip_region_kinds():
+    """The sequence warm-up compiles every row length: config validation counts the graphs of
+    each compiled function against torch.compile's recompile limit. With an even n_layer the
+    skip region has two kinds of inputs, so without value embeddings (one kind of block) the
+    skips are what bound the warm-up: the start validation accepts compiles exactly the limit."""
+    from torch._dynamo.testing import CompileCounter
+
+    from distlm.config import DYNAMO_RECOMPILE_LIMIT, ConfigError, seq_warmup_lengths, updated
+    tiny = ["model.n_layer=4", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+            "model.skip_connections=true", "model.value_embeds=0", "model.loss_chunk=0", "train.compile=true",
+            "train.compile_scope=block", "train.seq_warmup_steps=6", "train.device=cpu"]
+    with pytest.raises(ConfigError, match=r"^train.seq_warmup_start=2 gives 3 warm-up row lengths .* 10 graphs"):
+        load_config("tiny", tiny + ["train.seq_warmup_start=2"])
+    cfg = load_config("tiny", tiny + ["train.seq_warmup_start=4"])
+    lengths = seq_warmup_lengths(cfg.train, 16) + [16]
+    torch._dynamo.reset()
+    gpt = GPT(updated(cfg, model={"vocab_size": VOCAB}).model)
+    counter = CompileCounter()
+    gpt.add_skip = torch.compile(gpt.add_skip, backend=counter, dynamic=False)
+    x = torch.randint(0, VOCAB, (2, 16))
+    for n in lengths:
+        gpt(x.reshape(-1, n), targets=x.reshape(-1, n)).backward()
+    with torch.no_grad():
+        gpt.eval()(x, targets=x)
+    assert counter.frame_count == (len(lengths) + 1) * 2 == DYNAMO_RECOMPILE_LIMIT
+    torch._dynamo.reset()
