@@ -630,12 +630,10 @@ def _validate_seq_warmup(cfg: Config) -> None:
     # Each row length is a graph of every compiled function, and the evaluation (full
     # blocks, no grad) one more. Compiled per block, blocks with and without a value
     # embedding are two graphs per shape (an upper bound here; an auto compile or scope
-    # counts as one that may compile per block). U-net skips are added outside the blocks, in
-    # a compiled region of their own with two kinds of inputs when n_layer is even (the first
-    # skip's source is its own input, the others' are not: GPT.add_skip).
+    # counts as one that may compile per block). U-net skips are added outside the blocks.
     variants = 1
     if t.compile is not False and t.compile_scope != "model":
-        variants = 2 if 0 < 2 * m.value_embeds < m.n_layer or (m.skip_connections and m.n_layer % 2 == 0) else 1
+        variants = 2 if 0 < 2 * m.value_embeds < m.n_layer else 1
     lengths = seq_warmup_lengths(t, T)
     graphs = (len(lengths) + 2) * variants
     if graphs > DYNAMO_RECOMPILE_LIMIT:

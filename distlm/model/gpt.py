@@ -267,6 +267,9 @@ class GPT(nn.Module):
         # U-net: the learned weight of each skip, keyed by the block it enters (see forward).
         self.skip_weights = nn.ModuleDict({str(i): Scalar() for i in range(cfg.n_layer)
                                            if skip_source(cfg, i) is not None}) if cfg.skip_connections else None
+        # The methods compiled as regions of their own when the blocks are (see embed_tokens).
+        self.compiled_regions = tuple(name for name, used in (("embed_tokens", cfg.value_embeds > 0),
+                                                              ("add_skip", cfg.skip_connections)) if used)
         self.norm = make_norm(cfg)
         self.head = SoftcapLinear(cfg.d_model, V, cfg.logit_softcap) if cfg.logit_softcap \
             else nn.Linear(cfg.d_model, V, bias=False)
@@ -347,16 +350,17 @@ class GPT(nn.Module):
             x = x + self.sinusoid[start_pos:start_pos + T].to(x.dtype)
         return self.drop(x)
 
-    # The work outside the blocks, as methods of their own so that a model compiled per block
-    # compiles each as a small graph too (distlm.parallel.parallelize.apply_compile): eager,
-    # it is separate kernels over the (tokens x d) fp32 residual stream, forward and backward.
-    # The head and the loss (head_loss) are compiled the same way.
-    compiled_regions = ("embed_tokens", "add_skip")
+    # The work outside the blocks that the model's options add: the value embeddings' gathers
+    # (and their backward: an eager scatter per table, each sorting the token ids anew) and the
+    # U-net skips' mixing, element-wise passes over the (tokens x d) fp32 residual stream,
+    # forward and backward. As methods of their own, a model compiled per block compiles each
+    # as a small graph too (distlm.parallel.parallelize.apply_compile reads compiled_regions,
+    # set in __init__). The head and the loss (head_loss) are compiled the same way. A plain
+    # GPT's token and position lookups stay eager: two small gathers, not worth a compile.
 
     def embed_tokens(self, idx: torch.Tensor, start_pos: int = 0):
         """Token ids -> (the residual stream entering block 0, the value embeddings: a list
-        of (B, T, d) tensors, one per table, or None). One graph compiled: the tables' rows
-        are gathered in one pass, and their gradients scattered in one pass."""
+        of (B, T, d) tensors, one per table, or None)."""
         x = self.embed(idx, start_pos)
         ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
         return x, ves
@@ -413,7 +417,11 @@ class GPT(nn.Module):
                 # graph per kind of input (value embedding or not) instead of four (and a
                 # fifth for the middle block, whose skip is its own input). The gates are
                 # the root's parameters, which FSDP2 gathers for this whole forward.
-                x = self.add_skip(x, skips.pop(), self.skip_weights[i])
+                # A view: the first skip's source is also x (block L/2 - 1's output, L even),
+                # and the same tensor passed twice would be a second compiled graph. The view
+                # costs no kernel; the two gradients it splits are summed as the others are.
+                skip = skips.pop()
+                x = self.add_skip(x, skip.view_as(skip), self.skip_weights[i])
             x = block(x, rope, cache.layer(layer) if cache is not None else None, start_pos, mask, True,
                       ves[table] if table is not None else None)
             if self.cfg.skip_connections and layer < self.cfg.n_layer // 2:
