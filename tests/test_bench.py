@@ -311,3 +311,22 @@ def test_throughput_before_and_after_are_profiled_alike_and_tabled(capsys, tmp_p
     missing = subprocess.run([sys.executable, "benchmarks/tools/compare_bench.py", str(tmp_path / "a"),
                               str(tmp_path / "nowhere")], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nowhere/result.json" in missing.stderr
+
+
+def test_optimizer_parts_folded_newton_schulz_is_the_same_polynomial():
+    """benchmarks/tools/optimizer_parts.py times Newton-Schulz with each step's sums folded into
+    baddbmm; in fp32 it must give distlm's result (same polynomial, fewer roundings), for wide,
+    square and tall stacks."""
+    import importlib.util
+
+    import torch
+
+    from distlm.train.muon import newton_schulz
+    spec = importlib.util.spec_from_file_location("optimizer_parts", ROOT / "benchmarks/tools/optimizer_parts.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 8, 24), (2, 16, 16), (4, 24, 8)):
+        m = torch.randn(shape, generator=g)
+        torch.testing.assert_close(tool.ns_folded(m, dtype=torch.float32), newton_schulz(m, dtype=torch.float32),
+                                   rtol=0, atol=2e-5)
