@@ -363,3 +363,55 @@ def test_float8_suite_plans_bf16_beside_each_recipe_and_reports_them(tmp_path, c
     table = {(r["model"], r["recipe"]): r for r in records[-1]["result"]}
     assert table[("gpt2-1.5b", "off")]["ok"] and table[("gpt2-1.5b", "tensorwise")]["tokens_per_s"] > 0
     assert "| gpt2-1.5b | tensorwise |" in proc.stdout
+
+
+def test_throughput_before_and_after_are_profiled_alike_and_tabled(capsys, tmp_path):
+    """--before DIR with --profile: the older code's run is profiled too (the profiler slows a
+    step; a pair must differ only in the code), and a last step tables each pair."""
+    lines = dry_run(capsys, "throughput", ["--config", "speedrun-124m", "--variants", "a=;b=train.micro_batch_size=16",
+                                           "--profile", "--before", "carry/old"])
+    runs = [w for w in lines if distlm_commands(w)]
+    assert len(runs) == 4 and all("--profile" in w for w in runs)
+    assert [w[0] == "PYTHONPATH=carry/old" for w in runs] == [True, False, True, False]
+    compare = lines[-1]
+    assert compare[1] == "benchmarks/tools/compare_bench.py"
+    folders = [Path(w).name for w in compare[2:-2]]
+    assert [f.split("-", 1)[1] for f in folders] == ["before-a", "a", "before-b", "b"]
+
+    # the table: each figure before and after, and the difference
+    def result(tok_s, eager_ms):
+        return {"tokens_per_s": tok_s, "step_s": 32768 / tok_s, "mfu": tok_s / 1e6, "phases_s": {"optimizer": 0.009},
+                "profile": {"categories_s": {"element-wise/norm (eager)": eager_ms / 1e3}, "idle_s": 0.003}}
+    for name, r in (("before-a", result(400_000, 6.6)), ("a", result(440_000, 2.0))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "result.json").write_text(json.dumps(r))
+    out = subprocess.run([sys.executable, "benchmarks/tools/compare_bench.py", str(tmp_path / "before-a"),
+                          str(tmp_path / "a"), "--json", str(tmp_path / "cmp.json")], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert "| tokens/s | 400,000.0 | 440,000.0 | 40,000.0 |" in out.stdout
+    assert "| profile: element-wise/norm (eager) ms | 6.60 | 2.00 | -4.60 |" in out.stdout
+    table = json.loads((tmp_path / "cmp.json").read_text())["a"]
+    assert {"figure": "MFU %", "before": 40.0, "after": 44.0} in table
+    missing = subprocess.run([sys.executable, "benchmarks/tools/compare_bench.py", str(tmp_path / "a"),
+                              str(tmp_path / "nowhere")], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nowhere/result.json" in missing.stderr
+
+
+def test_optimizer_parts_folded_newton_schulz_is_the_same_polynomial():
+    """benchmarks/tools/optimizer_parts.py times Newton-Schulz with each step's sums folded into
+    baddbmm; in fp32 it must give distlm's result (same polynomial, fewer roundings), for wide,
+    square and tall stacks."""
+    import importlib.util
+
+    import torch
+
+    from distlm.optim.muon import newton_schulz
+    spec = importlib.util.spec_from_file_location("optimizer_parts", ROOT / "benchmarks/tools/optimizer_parts.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 8, 24), (2, 16, 16), (4, 24, 8)):
+        m = torch.randn(shape, generator=g)
+        torch.testing.assert_close(tool.ns_folded(m, dtype=torch.float32), newton_schulz(m, dtype=torch.float32),
+                                   rtol=0, atol=2e-5)

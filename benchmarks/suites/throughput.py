@@ -7,7 +7,8 @@ Each variant is one `distlm bench` with synthetic tokens; the default variants a
 the speed page compares (compile per block or whole model, micro-batch 32 and 64, chunked loss).
 --layout runs every variant under that layout (e.g. fsdp4 for gpt2-1.5b on 4 GPUs, see
 `layouts` for a sweep). --before DIR measures the same variants with the code in DIR (a
-`git archive` of an older commit) first, so a before/after pair shares one machine.
+`git archive` of an older commit) first, so a before/after pair shares one machine (profiled
+alike with --profile), and a last step tables each pair (benchmarks/tools/compare_bench.py).
 --loss-curves STEPS trains the plain path (eager, whole logits) and the fast path (whole-model
 compile, chunked loss) on the bundled corpus for STEPS steps and compares the losses step by step.
 """
@@ -55,12 +56,20 @@ def plan(args, ctx: Context) -> list[Step]:
     flags = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--json", "{dir}/result.json"]
     if args.memory_cap_gib:
         flags += ["--memory-cap-gib", str(args.memory_cap_gib)]
+    profile = ["--profile", "{dir}/profile"] if args.profile else []
+    pairs = []
     for name, overrides in variants(args.variants):
         cmd = ctx.tiny(["bench", "--config", args.config, "data.source=synthetic", "train.on_nan=off", *lay,
                         *overrides, *args.set, *flags])
         if args.before:
-            steps.append(Step(f"before-{name}", ctx.distlm(cmd, nproc), env={"PYTHONPATH": args.before}))
-        steps.append(Step(name, ctx.distlm(cmd + (["--profile", "{dir}/profile"] if args.profile else []), nproc)))
+            # Profiled too when the newer code is: the profiler slows a step, and a pair must
+            # differ only in the code.
+            steps.append(Step(f"before-{name}", ctx.distlm(cmd + profile, nproc), env={"PYTHONPATH": args.before}))
+            pairs += [f"{{out}}/{{stamp}}-before-{name}", f"{{out}}/{{stamp}}-{name}"]
+        steps.append(Step(name, ctx.distlm(cmd + profile, nproc)))
+    if pairs:
+        steps.append(Step("before-after", [ctx.python, "benchmarks/tools/compare_bench.py", *pairs,
+                                           "--json", "{dir}/result.json"]))
     if args.loss_curves:
         train = ["train", "--config", args.config, f"train.max_steps={args.loss_curves}", "train.global_batch_size=32",
                  "train.micro_batch_size=16", "train.eval_every=100", "train.eval_batches=10", "log.every=1",

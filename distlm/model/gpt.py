@@ -280,6 +280,9 @@ class GPT(nn.Module):
         # U-net: the learned weight of each skip, keyed by the block it enters (see forward).
         self.skip_weights = nn.ModuleDict({str(i): Scalar() for i in range(cfg.n_layer)
                                            if skip_source(cfg, i) is not None}) if cfg.skip_connections else None
+        # The methods compiled as regions of their own when the blocks are (see embed_tokens).
+        self.compiled_regions = tuple(name for name, used in (("embed_tokens", cfg.value_embeds > 0),
+                                                              ("add_skip", cfg.skip_connections)) if used)
         self.norm = make_norm(cfg)
         self.head = SoftcapLinear(cfg.d_model, V, cfg.logit_softcap) if cfg.logit_softcap \
             else nn.Linear(cfg.d_model, V, bias=False)
@@ -364,6 +367,26 @@ class GPT(nn.Module):
             x = x + table.to(x.dtype)
         return self.drop(x)
 
+    # The work outside the blocks that the model's options add: the value embeddings' gathers
+    # (and their backward: an eager scatter per table, each sorting the token ids anew) and the
+    # U-net skips' mixing, element-wise passes over the (tokens x d) fp32 residual stream,
+    # forward and backward. As methods of their own, a model compiled per block compiles each
+    # as a small graph too (distlm.parallel.parallelize.apply_compile reads compiled_regions,
+    # set in __init__). The head and the loss (head_loss) are compiled the same way. A plain
+    # GPT's token and position lookups stay eager: two small gathers, not worth a compile.
+
+    def embed_tokens(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None):
+        """Token ids -> (the residual stream entering block 0, the value embeddings: a list
+        of (B, T, d) tensors, one per table, or None)."""
+        x = self.embed(idx, start_pos, positions)
+        ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
+        return x, ves
+
+    def add_skip(self, x: torch.Tensor, skip: torch.Tensor, gate: Scalar) -> torch.Tensor:
+        """A U-net skip entering the residual stream: x + gate * skip. Every skip has the same
+        shapes, so compiled it is one graph reused by all of them (the gate is an input)."""
+        return x + gate(skip)
+
     def rope_at(self, start_pos: int, T: int, positions: torch.Tensor | None = None):
         if self.cfg.position != "rope":
             return None
@@ -407,11 +430,11 @@ class GPT(nn.Module):
         split across ranks (distlm.parallel.context.SequenceShard): their positions, and
         the attention that reaches the other ranks' keys."""
         positions = shard.positions if shard is not None else None
-        # A part without tok_emb (a pipeline stage) takes the residual stream as input.
-        x = self.embed(idx, start_pos, positions) if self.tok_emb is not None else idx
+        # A part without tok_emb (a pipeline stage) takes the residual stream as input; it has
+        # no value embeddings (config validation: they need the token ids).
+        x, ves = self.embed_tokens(idx, start_pos, positions) if self.tok_emb is not None else (idx, None)
         rope = self.rope_at(start_pos, idx.shape[1], positions)
         mask = self.attention_mask(idx, start_pos, cache, shard)
-        ves = [emb(idx) for emb in self.value_embeds.values()] if self.value_embeds is not None else None
         skips = []  # U-net: outputs of the first half's blocks, last in first out
         for i, block in self.blocks.items():
             layer = int(i)
@@ -421,7 +444,11 @@ class GPT(nn.Module):
                 # graph per kind of input (value embedding or not) instead of four (and a
                 # fifth for the middle block, whose skip is its own input). The gates are
                 # the root's parameters, which FSDP2 gathers for this whole forward.
-                x = x + self.skip_weights[i](skips.pop())
+                # A view: the first skip's source is also x (block L/2 - 1's output, L even),
+                # and the same tensor passed twice would be a second compiled graph. The view
+                # costs no kernel; the two gradients it splits are summed as the others are.
+                skip = skips.pop()
+                x = self.add_skip(x, skip.view_as(skip), self.skip_weights[i])
             x = block(x, rope, cache.layer(layer) if cache is not None else None, start_pos, mask, True,
                       ves[table] if table is not None else None)
             if self.cfg.skip_connections and layer < self.cfg.n_layer // 2:

@@ -42,6 +42,11 @@ def apply_compile(model: nn.Module, scope: str = "block", mode: str = "default",
         # the final norm, head and cross-entropy: one graph, so the fp32 softmax statistics
         # are computed in registers instead of through fp32 copies of the logits
         model.head_loss = torch.compile(model.head_loss, **kw)
+    # The embeddings and U-net skips between the blocks: small graphs, each compiled once.
+    # Not under TP, whose module hooks lay out these modules' DTensors (left eager, as before).
+    if not any(hasattr(p, "device_mesh") for p in model.parameters()):
+        for name in getattr(model, "compiled_regions", ()):
+            setattr(model, name, torch.compile(getattr(model, name), **kw))
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
