@@ -274,7 +274,8 @@ def plan(
     ests = plan_layouts(cfg.model, gpus, gpu_mem_gb, gb, mb, resolve=resolve, peak_tflops=peak_tflops,
                         intra_gbs=link_gbs, inter_gbs=inter_node_gbs, gpus_per_node=gpus_per_node,
                         compute_bytes=2 if dtype == "bf16" else 4, sequence_parallel=cfg.parallel.sequence_parallel,
-                        loss_parallel=cfg.parallel.loss_parallel, optimizer=spec_for(cfg))
+                        loss_parallel=cfg.parallel.loss_parallel, optimizer=spec_for(cfg),
+                        fused_loss=cfg.train.compile is not False)  # auto compiles on a GPU
     if not ests:
         raise ConfigError(f"no layout of {gpus} GPUs divides global batch {gb}"
                           + (f" into micro-batches of {mb}" if mb else " into whole local batches"))

@@ -152,7 +152,8 @@ def memory_estimate(cfg: Config, dev: Device, dims, micro: int) -> Estimate:
     compute_bytes = 2 if autocast_dtype(cfg, dev) is not None else 4
     return estimate(model, lay, cfg.train.global_batch_size, micro, dev.free_gib, compute_bytes=compute_bytes,
                     sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
-                    optimizer=spec_for(cfg))  # the state optim.name declares (distlm/optim/)
+                    optimizer=spec_for(cfg),  # the state optim.name declares (distlm/optim/)
+                    fused_loss=bool(cfg.train.compile))
 
 
 def _show(v: Any) -> str:
