@@ -47,7 +47,7 @@ def build(overrides: list[str], dims: ParallelDims | None = None):
         m.init_weights(cfg.train.seed)
 
     model = parallelize(gpt, dims, cfg, materialize)[0]
-    return cfg, model, gpt, build_optimizer(model, cfg.train, "cpu")
+    return cfg, model, gpt, build_optimizer(model, cfg, "cpu")
 
 
 def run_steps(cfg, model, opt, dims: ParallelDims | None = None) -> list[float]:

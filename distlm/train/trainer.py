@@ -380,8 +380,9 @@ class Trainer:
             if stopped and logged != self.step and loss is not None:
                 # The step the run stopped at gets its row, whatever log.every is: a run stopped
                 # early still leaves its last loss in metrics.csv, TensorBoard and the plot.
-                last_loss, _ = self._log_step(logger, say, loss, grad_norm, False, t_start,
-                                              progress.at(self.step, time.perf_counter()))
+                # Its Status is the one the bar already shows for this step: one computed now would
+                # give the row other elapsed/ETA figures than the bar under it on a loaded machine.
+                last_loss, _ = self._log_step(logger, say, loss, grad_norm, False, t_start, status)
             if not stopped and start_step < self.step < cfg.train.max_steps and main:
                 say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
                     f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
