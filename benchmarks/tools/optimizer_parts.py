@@ -82,13 +82,13 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.model.vocab_size is None:
         cfg = updated(cfg, model={"vocab_size": 50257})
-    if cfg.train.optimizer != "muon":
-        print(f"error: {args.config} trains with train.optimizer={cfg.train.optimizer}, not muon", file=sys.stderr)
+    if cfg.optim.name != "muon":
+        print(f"error: {args.config} trains with optim.name={cfg.optim.name}, not muon", file=sys.stderr)
         return 2
     ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
-    opt = build_optimizer(model, cfg.train, device.type, ns_dtype=ns_dtype)
+    opt = build_optimizer(model, cfg, device.type, ns_dtype=ns_dtype)
     for prm in model.parameters():
         prm.grad = torch.randn_like(prm) * 1e-3
     for g in opt.param_groups:
