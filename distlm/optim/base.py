@@ -61,6 +61,9 @@ class Spec:
     # Muon's Nesterov momenta), by kind: they exist during the step only, when the
     # activations are gone, so the planner counts the larger of the two.
     step_temporaries: dict[str, float] = {}
+    # Its step orthogonalises matrices by Newton-Schulz, in the dtype optim.muon_ns_dtype
+    # names (auto: the Trainer measures this device once, the same on every rank).
+    orthogonalises: bool = False
 
     def state_bytes(self, kind: str) -> int:
         """Bytes of state per element of a parameter of this kind."""

@@ -252,6 +252,7 @@ class MuonSpec(Spec):
     ``lr`` is the schedule's value; Muon's groups multiply it by ``lr_scale = muon_lr / lr``."""
     name = "muon"
     state = {MATRIX: (StateTensor("momentum_buffer"),), OTHER: ADAMW_STATE}
+    orthogonalises = True
     # The Nesterov momenta (one fp32 copy of every matrix, made before any is orthogonalised);
     # the stacks of one bucket at a time are a small part of it.
     step_temporaries = {MATRIX: 1.0, OTHER: 0.0}

@@ -31,7 +31,7 @@ def resolve_ns_dtype(cfg: Config, device: torch.device, comm,
     redistributed between them): fp32 when any rank measured bf16 slower, as the slowest
     rank sets the pace. Collective. Returns the config and, where something was measured
     (a CPU), the line that says what."""
-    if cfg.optim.name != "muon" or cfg.optim.muon_ns_dtype != "auto":
+    if not spec_for(cfg).orthogonalises or cfg.optim.muon_ns_dtype != "auto":
         return cfg, None
     choice = probe.choose(device)
     wants_fp32 = comm.max(torch.tensor([float(choice.dtype == torch.float32)], device=device))
@@ -51,7 +51,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device_type: str,
     # whole-matrix work over the group the wrapper names (DDP's process_group, its replicas).
     # FSDP2/TP parameters are DTensors and carry their own mesh; an unwrapped model names none.
     group = getattr(model, "process_group", None)
-    if ns_dtype is None and cfg.optim.name == "muon":
+    if ns_dtype is None and spec.orthogonalises:
         ns_dtype = ns_dtype_for(cfg, torch.device(device_type)).dtype
     return spec.build(model, cfg, BuildContext(device_type, group, ns_dtype))
 
