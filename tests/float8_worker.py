@@ -6,7 +6,8 @@ Each job builds the model through distlm.parallel.parallelize with train.fp8 set
 happens where a training run does it, before the parallel wrappers), takes a few AdamW steps on
 fixed global batches with the float8 matmuls running on torch._scaled_mm's CPU kernel, and rank 0
 writes the full parameters, the losses, the number of float8 layers and the state dict's keys
-and dtypes to OUT_DIR/JOB.pt. ``build`` and ``run_steps`` are also the single-process reference.
+and dtypes to OUT_DIR/JOB.pt. ``build`` and ``run_steps`` (tests/muon_worker.py's) are also
+the single-process reference.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import torch
 from distlm.config import load_config
 from distlm.model.float8 import Float8Linear
 from distlm.model.gpt import GPT
-from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims, init_distributed, parallelize
 from distlm.train.optim import build_optimizer
 
-STEPS, BATCH = 3, 8
+# The same fixed global batches and the same loss mean over the data ranks as the Muon tests.
+from muon_worker import full, run_steps  # noqa: E402  (tests/ is on sys.path)
+
 # Widths that are multiples of 16 (float8 tiles); each rank's 4 x 16 tokens are too.
 # AdamW's eps is raised to 1e-5: the k-projection's bias gets no gradient but rounding noise
 # (softmax ignores a shift of all keys), which eps=1e-8 turns into full +-lr steps.
@@ -48,31 +50,6 @@ def build(overrides: list[str], dims: ParallelDims | None = None):
 
     model = parallelize(gpt, dims, cfg, materialize)[0]
     return cfg, model, gpt, build_optimizer(model, cfg, "cpu")
-
-
-def run_steps(cfg, model, opt, dims: ParallelDims | None = None) -> list[float]:
-    losses = []
-    dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
-    per = BATCH // dp_size
-    for step in range(STEPS):
-        t = torch.randint(0, cfg.model.vocab_size, (BATCH, cfg.model.block_size + 1),
-                          generator=torch.Generator().manual_seed(1000 + step))
-        x, y = t[dp_rank * per:(dp_rank + 1) * per, :-1], t[dp_rank * per:(dp_rank + 1) * per, 1:]
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        if dp_size > 1:  # the mean over the global batch, as one process computes it
-            import torch.distributed as dist
-            dist.all_reduce(loss, group=dims.dp_mesh.get_group())
-            loss = loss / dp_size
-        losses.append(float(loss))
-    return losses
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def summary(gpt, losses: list[float]) -> dict:
