@@ -138,6 +138,6 @@ def test_whole_matrices_transform_each_matrix_once_with_its_tag():
         calls.append((tuple(stack.shape), tag))
         return stack * (10 if tag == "a" else 100)
 
-    done = WholeMatrices().map(list(zip(ps, pieces, tags)), transform, lambda i, t: got.__setitem__(i, t))
+    done = WholeMatrices().map(list(zip(ps, pieces, tags)), transform, lambda idx, out: got.update(zip(idx, out)))
     assert done == 3 and sorted(calls) == [((1, 4, 3), "a"), ((1, 4, 3), "b"), ((1, 6, 3), "a")]
     assert [float(got[i][0, 0]) for i in range(3)] == [10.0, 200.0, 30.0]

@@ -37,6 +37,7 @@ from distlm.config import Config, ConfigError
 from distlm.optim.adamw import ADAMW_STATE
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor
 from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
+from distlm.optim.side_stream import overlap_for
 from distlm.parallel.whole_matrix import WholeMatrices, local as _local
 
 # Newton-Schulz. One step maps X = U S V^T to p(X) = aX + b(XX^T)X + c(XX^T)^2 X
@@ -85,6 +86,34 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     return x.mT if tall else x
 
 
+def newton_schulz_folded(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                         coeffs: tuple[float, float, float] = NS_COEFFS, eps: float = 1e-7) -> torch.Tensor:
+    """``newton_schulz`` with each step's two sums done inside its matmuls: b G + c G G and
+    a X + P X are ``baddbmm``'s beta/alpha, so the sum happens in the matmul's epilogue, on
+    the fp32 accumulator. Same polynomial, same step count; per step three kernels instead of
+    eight, and one rounding to ``dtype`` per product instead of three (in bf16 the result is
+    closer to exact arithmetic than ``newton_schulz``'s). In fp32 on a CPU the two differ in the
+    last bits only (tests/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: runs
+    recorded there resume bit for bit (tests/test_optimizer_fixture.py)."""
+    a, b, c = coeffs
+    tall = g.size(-2) > g.size(-1)
+    x = g.mT if tall else g
+    x = (x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)).to(dtype)
+    batch = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:])  # baddbmm takes exactly one batch dim
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    x = x.reshape(*batch, *x.shape[-2:])
+    return x.mT if tall else x
+
+
+# The Newton-Schulz form per device type: on CUDA the folded one (tensor cores sum in the
+# epilogue); elsewhere the unfolded one, whose bits runs recorded on CPUs were made with.
+NEWTON_SCHULZ = {"cuda": newton_schulz_folded}
+
+
 def update_scale(rows: int, cols: int) -> float:
     """An orthogonalised (rows x cols) matrix has min(rows, cols) unit singular values,
     so its element RMS is 1/sqrt(max(rows, cols)): a tall matrix (rows > cols, e.g. an
@@ -129,6 +158,8 @@ class Muon(torch.optim.Optimizer):
         # How many matrices this rank orthogonalised in the last step (tests check the
         # work is spread, not repeated).
         self.last_orthogonalised = 0
+        # Per device: how AdamW's groups run beside Muon's (a side CUDA stream; in order on CPU).
+        self._overlap: dict = {}
         super().__init__(params, dict(lr=lr))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -163,17 +194,24 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon_groups = []
-        for group in self.param_groups:
-            if group["kind"] == "adamw":
-                self._adamw_step(group)
-            else:
-                muon_groups.append(group)
-        self._muon_step(muon_groups)
+        # AdamW's groups and Muon's touch disjoint parameters: on CUDA AdamW's kernels run on a
+        # side stream while Muon's matmuls run on the caller's (distlm/optim/side_stream.py).
+        # AdamW's state is made here, on the caller's stream, before the side stream starts.
+        adamw = [job for job in (self._adamw_job(g) for g in self.param_groups if g["kind"] == "adamw") if job]
+        muon = [g for g in self.param_groups if g["kind"] == "muon"]
+        device = adamw[0].device if adamw else None
+        if device is None:
+            self._muon_step(muon)
+            return loss
+        if device not in self._overlap:
+            self._overlap[device] = overlap_for(device)
+        self._overlap[device].run(lambda: [job() for job in adamw], lambda: self._muon_step(muon))
         return loss
 
     # ---- AdamW ------------------------------------------------------------------------
-    def _adamw_step(self, group: dict) -> None:
+    def _adamw_job(self, group: dict):
+        """The group's AdamW update as a ``_AdamWJob`` (its state made now), or None when no
+        parameter of the group has a gradient."""
         # State as torch.optim.AdamW keeps it (same keys, `step` where its kernels want
         # it), so checkpoints read the same and the fused/foreach kernels apply unchanged.
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -191,58 +229,91 @@ class Muon(torch.optim.Optimizer):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        if not params:
-            return
-        beta1, beta2 = group["betas"]
-        adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
-                     fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
-                     lr=group["lr"] * group["lr_scale"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        return _AdamWJob(group, params, grads, exp_avgs, exp_avg_sqs, steps) if params else None
+
+    def _adamw_step(self, group: dict) -> None:
+        """One AdamW group's update, on the current stream."""
+        job = self._adamw_job(group)
+        if job:
+            job()
 
     # ---- Muon -------------------------------------------------------------------------
     def _muon_step(self, groups: list[dict]) -> None:
-        # 1. Momentum and weight decay, element-wise on each rank's own shard.
-        # 2. Orthogonalise whole matrices, each on one rank (see the module docstring).
-        # 3. p -= lr * lr_scale * update_scale * orth(momentum), on the shard.
-        work = []  # (param, nesterov momentum (local), step size, split, ns_steps), in group order
+        # 1. Momentum and weight decay, element-wise on each rank's own shard, one foreach
+        #    pass over the matrices of every group that shares the settings (one in practice).
+        # 2. Orthogonalise whole matrices, stacked by shape, each on one rank (see the
+        #    module docstring).
+        # 3. p -= lr * lr_scale * update_scale * orth(momentum), on the shard: one foreach
+        #    pass per stack.
+        work = []  # (param, step size, split, ns_steps), in group order
+        by_momentum: dict = {}  # (momentum, nesterov) -> indices into work
+        by_decay: dict = {}  # weight-decay factor -> indices into work
         for group in groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            for p in ps:
+            lr = group["lr"] * group["lr_scale"]
+            split = group["split"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
                 if not self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs = [_local(self.state[p]["momentum_buffer"]) for p in ps]
-            grads = [_local(p.grad) for p in ps]
-            mu = group["momentum"]
+                by_momentum.setdefault((group["momentum"], group["nesterov"]), []).append(len(work))
+                if group["weight_decay"]:
+                    by_decay.setdefault(1.0 - lr * group["weight_decay"], []).append(len(work))
+                rows, cols = p.shape[0] // split, p.shape[1]
+                work.append((p, lr * update_scale(rows, cols), split, group["ns_steps"]))
+        moms: list = [None] * len(work)
+        for (mu, nesterov), idx in by_momentum.items():
+            bufs = [_local(self.state[work[i][0]]["momentum_buffer"]) for i in idx]
+            grads = [_local(work[i][0].grad) for i in idx]
             # An average of past gradients (buf <- mu buf + (1 - mu) g) rather than a sum:
             # the orthogonalisation divides out the scale, and an average keeps the buffer
             # the size of a gradient.
             torch._foreach_lerp_(bufs, grads, 1.0 - mu)
             # Nesterov: step along the gradient pulled toward the updated average.
-            moms = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-            lr = group["lr"] * group["lr_scale"]
-            if group["weight_decay"]:
-                torch._foreach_mul_([_local(p) for p in ps], 1.0 - lr * group["weight_decay"])
-            split = group["split"]
-            for p, m in zip(ps, moms):
-                rows, cols = p.shape[0] // split, p.shape[1]
-                work.append((p, m, lr * update_scale(rows, cols), split, group["ns_steps"]))
+            for i, m in zip(idx, torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs):
+                moms[i] = m
+        for factor, idx in by_decay.items():
+            torch._foreach_mul_([_local(work[i][0]) for i in idx], factor)
         self.whole.wire_dtype = self.ns_dtype
-        sizes = [step_size for _, _, step_size, _, _ in work]
-        params = [p for p, _, _, _, _ in work]
 
-        def apply(i: int, update: torch.Tensor) -> None:
-            _local(params[i]).add_(update, alpha=-sizes[i])
+        def apply(indices: list[int], updates: torch.Tensor) -> None:
+            # One conversion of the stack to the parameters' dtype and layout (bf16 -> fp32 is
+            # exact, so p + s u is the same number either way), then one foreach add per step
+            # size (one per stack unless groups of one shape differ in rate).
+            targets = [_local(work[i][0]) for i in indices]
+            updates = updates.to(dtype=targets[0].dtype, memory_format=torch.contiguous_format)
+            by_size: dict = {}
+            for k, i in enumerate(indices):
+                by_size.setdefault(work[i][1], []).append(k)
+            for size, ks in by_size.items():
+                torch._foreach_add_([targets[k] for k in ks], [updates[k] for k in ks], alpha=-size)
 
-        self.last_orthogonalised = self.whole.map([(p, m, (split, ns_steps)) for p, m, _, split, ns_steps in work],
-                                                  self._orthogonalise, apply)
+        self.last_orthogonalised = self.whole.map(
+            [(p, m, (split, ns_steps)) for (p, _, split, ns_steps), m in zip(work, moms)], self._orthogonalise, apply)
 
     def _orthogonalise(self, stack: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
         split, steps = tag
         n, rows, cols = stack.shape
-        out = newton_schulz(stack.reshape(n * split, rows // split, cols), steps, self.ns_dtype)
+        orthogonalise = NEWTON_SCHULZ.get(stack.device.type, newton_schulz)
+        out = orthogonalise(stack.reshape(n * split, rows // split, cols), steps, self.ns_dtype)
         return out.reshape(n, rows, cols)
+
+
+class _AdamWJob:
+    """One AdamW group's update, its lists gathered (and its state made) beforehand, so it can
+    run later on another stream. ``device``: where its kernels run."""
+
+    def __init__(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list):
+        self.group, self.params, self.grads = group, params, grads
+        self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
+        self.device = params[0].device
+
+    def __call__(self) -> None:
+        g = self.group
+        beta1, beta2 = g["betas"]
+        adamw_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+                     foreach=g["foreach"], fused=g["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
+                     lr=g["lr"] * g["lr_scale"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
 
 
 class MuonSpec(Spec):

@@ -32,6 +32,8 @@ import torch.distributed as dist
 # transform, tag). The parameter gives the mesh, placements and global shape.
 Item = tuple[torch.Tensor, torch.Tensor, Hashable]
 Transform = Callable[[torch.Tensor, Hashable], torch.Tensor]
+# apply(indices of the bucket's items, their local pieces of the result stacked in that order)
+Apply = Callable[[list, torch.Tensor], None]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -85,12 +87,12 @@ class WholeMatrices:
         self.wire_dtype = wire_dtype
         self._ddp_mesh = None
 
-    def map(self, items: Sequence[Item], transform: Transform,
-            apply: Callable[[int, torch.Tensor], None]) -> int:
-        """Transform every item's whole matrix once, somewhere; ``apply(i, piece)`` then
-        receives, on each rank, item i's local piece of the result (called bucket by bucket,
-        so only one bucket's results are alive at a time). Returns how many matrices this
-        rank transformed."""
+    def map(self, items: Sequence[Item], transform: Transform, apply: Apply) -> int:
+        """Transform every item's whole matrix once, somewhere; ``apply(indices, pieces)`` then
+        receives, on each rank and once per bucket, the items' indices and a stack whose k-th
+        entry is item ``indices[k]``'s local piece of the result (bucket by bucket, so only one
+        bucket's results are alive at a time, and the caller can treat a bucket in one
+        foreach pass). Returns how many matrices this rank transformed."""
         done = 0
         cursor: dict = {}  # per mesh: the stack slot where the next matrix goes
         for (mesh, placements, shape, tag), indices in self._buckets(items).items():
@@ -125,9 +127,7 @@ class WholeMatrices:
                 apply, cursor: dict) -> int:
         if mesh is None:
             # Nothing to share with: transform every matrix here, as one batch.
-            out = transform(torch.stack(pieces), tag)
-            for i, o in zip(indices, out):
-                apply(i, o)
+            apply(indices, transform(torch.stack(pieces), tag))
             return len(pieces)
         from torch.distributed.tensor import DTensor, Replicate, Shard
         src_pl = stacked_placements(placements) if placements is not None else (Replicate(),)
@@ -164,6 +164,8 @@ class WholeMatrices:
         mine = transform(mine, tag)
         back = DTensor.from_local(mine, mesh, whole, run_check=False, shape=gshape,
                                   stride=stride).redistribute(mesh, src_pl).to_local().to(device)
-        for i, slot in zip(indices, slots):
-            apply(i, back[slot])
+        # The items' pieces in item order (a gather; the identity order needs none).
+        in_order = (back[:len(slots)] if slots == list(range(len(slots)))
+                    else back[torch.tensor(slots, device=back.device)])
+        apply(indices, in_order)
         return sum(me * per <= slot < (me + 1) * per for slot in slots)

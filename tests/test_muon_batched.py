@@ -1,0 +1,157 @@
+"""Muon's step over stacks of matrices (distlm/optim/muon.py, distlm/parallel/whole_matrix.py,
+distlm/optim/side_stream.py), on a CPU.
+
+The step works a stack at a time: one foreach pass for the momenta of every matrix, Newton-Schulz
+on each stack of one shape (on CUDA in its folded form, the sums inside the matmuls), and one
+foreach add per stack. Each matrix's update must still be the per-matrix rule: checked here
+against an independent per-matrix reference, and the folded Newton-Schulz against the unfolded
+one. The AdamW and Muon parts of a step must not depend on each other's order, which the side
+CUDA stream relies on (tests/test_muon_side_stream.py checks the stream itself on a GPU)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distlm.optim.muon import NEWTON_SCHULZ, Muon, newton_schulz, newton_schulz_folded
+from distlm.optim.side_stream import Inline, overlap_for
+
+
+@pytest.mark.parametrize("shape", [(5, 24, 24), (4, 16, 40), (3, 40, 16), (2, 3, 12, 20), (20, 12)])
+def test_folded_newton_schulz_is_the_same_polynomial(shape):
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    ref, got = newton_schulz(g, dtype=torch.float32), newton_schulz_folded(g, dtype=torch.float32)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-6)
+    # ... and not a copy of it: the sums really run inside the matmuls (different last bits)
+    assert not torch.equal(got, ref) or g.shape[-1] == 0
+    assert torch.count_nonzero(newton_schulz_folded(torch.zeros(shape))) == 0  # padding stays zero
+
+
+def test_folded_newton_schulz_in_bf16_keeps_the_band():
+    torch.manual_seed(1)
+    g = torch.randn(6, 64, 96)
+    s = torch.linalg.svdvals(newton_schulz_folded(g, dtype=torch.bfloat16).double())
+    assert s.min() > 0.66 and s.max() < 1.23
+
+
+def test_cpus_keep_the_unfolded_form_and_cuda_takes_the_folded_one():
+    # CPU runs recorded before keep their bits (tests/test_optimizer_fixture.py).
+    assert NEWTON_SCHULZ.get("cpu", newton_schulz) is newton_schulz
+    assert NEWTON_SCHULZ["cuda"] is newton_schulz_folded
+
+
+def _params():
+    """Matrices of three shapes over four Muon groups (two of one shape at different rates,
+    one without Nesterov, one of q/k/v blocks), plus AdamW's vectors."""
+    torch.manual_seed(2)
+    shapes = [(24, 16), (24, 16), (16, 40), (48, 16), (48, 16), (24, 16), (16, 40), (24, 16)]
+    mats = [nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    vecs = [nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(10, 16))]
+    groups = [
+        {"params": vecs, "kind": "adamw", "weight_decay": 0.05},
+        {"params": mats[0:3], "lr_scale": 20.0, "weight_decay": 0.1},
+        {"params": mats[5:7], "lr_scale": 5.0, "momentum": 0.9, "nesterov": False},
+        {"params": mats[3:5], "lr_scale": 10.0, "split": 3, "weight_decay": 0.02},
+        {"params": mats[7:8], "lr_scale": 20.0, "momentum": 0.8},
+    ]
+    return mats, vecs, groups
+
+
+def _reference_step(mats, groups, state):
+    """The Muon rule one matrix at a time, written out independently of distlm's step."""
+    for group in groups[1:]:
+        lr = 1e-3 * group["lr_scale"]
+        mu, split = group.get("momentum", 0.95), group.get("split", 1)
+        for p in group["params"]:
+            buf = state.setdefault(id(p), torch.zeros_like(p))
+            buf.mul_(mu).add_(p.grad, alpha=1 - mu)
+            m = p.grad * (1 - mu) + buf * mu if group.get("nesterov", True) else buf
+            p.data.mul_(1 - lr * group.get("weight_decay", 0.0))
+            rows, cols = p.shape[0] // split, p.shape[1]
+            orth = torch.cat([newton_schulz(block, dtype=torch.float32) for block in m.split(rows)])
+            p.data.add_(orth, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+
+
+def test_stacked_step_is_the_per_matrix_rule():
+    mats, vecs, groups = _params()
+    ref = [p.detach().clone() for p in mats]
+    opt = Muon(groups, lr=1e-3, ns_dtype=torch.float32)
+    state: dict = {}
+    ref_params = [nn.Parameter(r) for r in ref]
+    where = {id(p): i for i, p in enumerate(mats)}
+    ref_groups = [dict(g, params=[ref_params[where[id(p)]] for p in g["params"]]) for g in groups[1:]]
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        for p, r in zip(mats, ref_params):
+            p.grad = torch.randn_like(p)
+            r.grad = p.grad.clone()
+        for v in vecs:
+            v.grad = torch.randn_like(v)
+        opt.step()
+        _reference_step(ref_params, [None, *ref_groups], state)
+    assert opt.last_orthogonalised == len(mats)
+    for p, r in zip(mats, ref_params):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-6)
+
+
+class _Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def test_momentum_is_one_pass_and_the_update_one_pass_per_stack(monkeypatch):
+    mats, vecs, groups = _params()
+    for g in groups[1:]:  # one momentum setting for all: one pass over every matrix
+        g.pop("momentum", None)
+        g.pop("nesterov", None)
+    opt = Muon(groups, lr=1e-3, ns_dtype=torch.float32)
+    for p in [*mats, *vecs]:
+        p.grad = torch.randn_like(p)
+    lerp_, add_ = _Counting(torch._foreach_lerp_), _Counting(torch._foreach_add_)
+    monkeypatch.setattr(torch, "_foreach_lerp_", lerp_)
+    monkeypatch.setattr(torch, "_foreach_add_", add_)
+    opt.step()
+    assert lerp_.calls == 1
+    # stacks: (24,16) at rates 20 and 5 (two step sizes), (16,40) at 20 and 5, (48,16) split 3
+    assert add_.calls == 5
+
+
+class _MainFirst:
+    """Runs Muon's part before AdamW's: the reverse of the in-order run."""
+
+    def run(self, side, main):
+        main()
+        side()
+
+
+def test_adamw_and_muon_parts_do_not_depend_on_their_order():
+    results = []
+    for overlap in (Inline(), _MainFirst()):
+        mats, vecs, groups = _params()
+        opt = Muon(groups, lr=1e-3, ns_dtype=torch.float32)
+        opt._overlap[torch.device("cpu")] = overlap
+        for step in range(2):
+            torch.manual_seed(20 + step)
+            for p in [*mats, *vecs]:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        results.append([p.detach().clone() for p in [*mats, *vecs]])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_the_side_stream_is_a_no_op_on_a_cpu():
+    assert isinstance(overlap_for(torch.device("cpu")), Inline)
+    mats, vecs, groups = _params()
+    opt = Muon(groups, lr=1e-3, ns_dtype=torch.float32)
+    for p in [*mats, *vecs]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert isinstance(opt._overlap[torch.device("cpu")], Inline)
