@@ -10,10 +10,13 @@ CUDA stream relies on (tests/test_muon_side_stream.py checks the stream itself o
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from distlm.optim.muon import NEWTON_SCHULZ, Muon, newton_schulz, newton_schulz_folded
 from distlm.optim.side_stream import Inline, overlap_for
@@ -155,3 +158,63 @@ def test_the_side_stream_is_a_no_op_on_a_cpu():
         p.grad = torch.randn_like(p)
     opt.step()
     assert isinstance(opt._overlap[torch.device("cpu")], Inline)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor storage an op creates while some tensor still uses it;
+    ``peak``: the most at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.users: dict = {}
+        self.size: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            if key in self.users:
+                self.users[key] += 1
+            elif key in inputs or n == 0:
+                continue  # an in-place result or a view of something older than the step
+            else:
+                self.users[key], self.size[key] = 1, n
+                self.live += n
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._release, key)
+        return out
+
+    def _release(self, key) -> None:
+        self.users[key] -= 1
+        if not self.users[key]:
+            del self.users[key]
+            self.live -= self.size.pop(key)
+
+
+def test_the_declared_step_temporaries_cover_the_steps_peak(monkeypatch):
+    """MuonSpec.step_temporaries against every tensor a Muon step (the folded form, bf16, as on
+    CUDA) allocates, counted on a GPT with the speedrun's block shapes after the state exists."""
+    from distlm.config import load_config
+    from distlm.model.gpt import GPT
+    from distlm.optim import REGISTRY
+    from distlm.optim.base import MATRIX
+    from distlm.optim.groups import matrix_params
+    from distlm.train.optim import build_optimizer
+    monkeypatch.setitem(NEWTON_SCHULZ, "cpu", newton_schulz_folded)
+    cfg = load_config("speedrun-124m", ["model.n_layer=2", "model.vocab_size=256", "model.value_embeds=1",
+                                        "model.d_model=64", "model.d_ff=256", "model.n_head=2"])
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg, "cpu", ns_dtype=torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # makes the state
+    counter = _LiveBytes()
+    with torch.no_grad(), counter:
+        opt._muon_step([g for g in opt.param_groups if g["kind"] == "muon"])
+    declared = 4 * REGISTRY["muon"].step_temporaries[MATRIX] * sum(p.numel() for p in sum(matrix_params(model), []))
+    assert 0.8 * declared <= counter.peak <= declared, (counter.peak, declared)

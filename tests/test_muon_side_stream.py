@@ -83,3 +83,30 @@ def test_side_stream_results_equal_the_default_stream_results():
     # What the caller's stream read right after each step is the updated table.
     for a, b in zip(side_seen, inline_seen):
         assert torch.equal(a, b)
+
+
+def test_the_steps_peak_memory_is_the_declared_temporaries():
+    """MuonSpec.step_temporaries (what the planner adds for the step) against the allocator's
+    peak during a step of a GPT with the speedrun's block shapes, after the state exists."""
+    from distlm.config import load_config
+    from distlm.model.gpt import GPT
+    from distlm.optim import REGISTRY
+    from distlm.optim.base import MATRIX
+    from distlm.optim.groups import matrix_params
+    from distlm.train.optim import build_optimizer
+    cfg = load_config("speedrun-124m", ["model.n_layer=4", "model.vocab_size=1024", "model.value_embeds=1"])
+    dev = torch.device("cuda")
+    model = GPT(cfg.model).to(dev)
+    opt = build_optimizer(model, cfg, "cuda", ns_dtype=torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # makes the state
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    matrices = sum(p.numel() for p in sum(matrix_params(model), []))
+    declared = 4 * REGISTRY["muon"].step_temporaries[MATRIX] * matrices
+    assert 0.8 * declared <= peak <= 1.1 * declared, f"peak {peak / 2**20:.1f} MiB, declared {declared / 2**20:.1f} MiB"

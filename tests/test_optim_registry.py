@@ -113,7 +113,8 @@ def test_muon_plans_one_momentum_for_the_matrices_and_adamw_state_for_the_rest()
     matrices = m.n_layer * block_matrix_params(m) / 4  # FSDP4: a quarter on each GPU
     assert (adamw.optim_gb - muon.optim_gb) * 2**30 == pytest.approx(4 * matrices, rel=1e-9)
     assert adamw.optim_gb == estimate(m, Candidate(1, 4, 1, 1), 32, 8, 80.0).optim_gb  # AdamW stays the default
-    assert muon.step_temporaries_gb * 2**30 == pytest.approx(4 * matrices, rel=1e-9)
+    # the Nesterov momenta of every matrix and, at once, 3 fp32 copies of the largest stack (a third)
+    assert muon.step_temporaries_gb * 2**30 == pytest.approx(4 * matrices * 2, rel=1e-9)
     assert all(k in KINDS for spec in REGISTRY.values() for k in spec.state)
 
 

@@ -316,6 +316,10 @@ class _AdamWJob:
                      lr=g["lr"] * g["lr_scale"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
 
 
+# The largest share of a model's matrices that one Newton-Schulz stack holds (see MuonSpec).
+LARGEST_STACK = 1 / 3
+
+
 class MuonSpec(Spec):
     """optim.name=muon: one Muon object with groups [AdamW decay, AdamW no decay, (AdamW
     embedding tables with optim.embed_lr,) Muon, Muon fused q/k/v], the empty ones left out;
@@ -324,9 +328,15 @@ class MuonSpec(Spec):
     name = "muon"
     state = {MATRIX: (StateTensor("momentum_buffer"),), OTHER: ADAMW_STATE}
     orthogonalises = True
-    # The Nesterov momenta (one fp32 copy of every matrix, made before any is orthogonalised);
-    # the stacks of one bucket at a time are a small part of it.
-    step_temporaries = {MATRIX: 1.0, OTHER: 0.0}
+    # What the step holds at its peak beyond the state, in fp32 copies of the matrices: the
+    # Nesterov momenta of every matrix (1.0, made in one pass before any is orthogonalised),
+    # plus three times the stack being orthogonalised (its fp32 stack, and the bf16 iterate
+    # before and after a step, with what the matmul needs beside them). Counted by tracking
+    # every tensor a step allocates (on a CPU, the folded form CUDA runs, bf16): 1 + 3 stacks;
+    # the unfolded form peaks at 1 + 4. A stack holds the matrices of one shape: in a GPT
+    # block at most a third of them (the MLP's input or output projection, d_ff = 4 d_model).
+    # tests/test_muon_side_stream.py measures the peak on a GPU against this.
+    step_temporaries = {MATRIX: 1.0 + 3 * LARGEST_STACK, OTHER: 0.0}
 
     def check(self, cfg: Config) -> None:
         t, o = cfg.train, cfg.optim

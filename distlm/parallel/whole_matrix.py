@@ -148,12 +148,13 @@ class WholeMatrices:
         start = cursor.get(mesh, 0)
         slots = [((start + j) % n) * per + (start + j) // n for j in range(len(pieces))]
         cursor[mesh] = (start + len(pieces)) % n
-        if self.wire_dtype is not None:
-            pieces = [m.to(self.wire_dtype) for m in pieces]
         padded = [torch.zeros_like(pieces[0])] * total
         for slot, m in zip(slots, pieces):
             padded[slot] = m
+        # Cast the stack, not each piece: one kernel per bucket (the same values).
         stacked = torch.stack(padded)
+        if self.wire_dtype is not None:
+            stacked = stacked.to(self.wire_dtype)
         device = stacked.device
         if device.type != mesh.device_type:  # FSDP2 CPU offload: shards in host memory
             stacked = stacked.to(torch.device(mesh.device_type, torch.cuda.current_device())
