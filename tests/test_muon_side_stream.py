@@ -77,12 +77,16 @@ def test_the_side_stream_is_used_on_cuda():
 def test_side_stream_results_equal_the_default_stream_results():
     side, side_losses, side_seen = _train(None)
     inline, inline_losses, inline_seen = _train(Inline())
-    assert all(torch.equal(a, b) for a, b in zip(side_losses, inline_losses))
+    # The same kernels in the same order per stream: equal up to any non-determinism of the
+    # kernels themselves (none expected). A missed wait shows as a difference of a whole update
+    # (lr = 1e-3 against the tolerance's 1e-7): a stale gradient has the opposite sign.
+    for a, b in zip(side_losses, inline_losses):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     for a, b in zip(side, inline):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     # What the caller's stream read right after each step is the updated table.
     for a, b in zip(side_seen, inline_seen):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
 def test_the_steps_peak_memory_is_the_declared_temporaries():
