@@ -16,7 +16,8 @@ NS_BAND.
 
 Before and after (``--before DIR``, DIR holding another copy of the ``distlm`` package, e.g.
 ``mkdir OLD && git archive main distlm | tar -x -C OLD``): each code in its own processes, in
-turns: ``--rounds`` times ``optimizer.step()`` of the preset (median ms of ``--repeats``), then
+turns: ``--rounds`` times ``optimizer.step()`` of the preset (median ms of ``--repeats``; the new
+code also with AdamW on the caller's stream, "new-adamw-inline", to show the side stream's part), then
 ``--bench-rounds`` times ``distlm bench --config PRESET data.source=synthetic train.on_nan=off``
 (tok/s, step and optimizer phase). Prints ms per optimizer step and whole-step tok/s, old
 against new; logs and JSON go to ``--out``.
@@ -113,6 +114,9 @@ def step_only(args, device: torch.device) -> int:
     """One figure for the before/after comparison: median seconds of optimizer.step()."""
     import distlm
     opt, _ = build(args.config, args.overrides, device)
+    if args.adamw_inline:  # AdamW's groups on the caller's stream, before Muon's (the new code's other parts)
+        from distlm.optim.side_stream import Inline
+        opt._overlap[device] = Inline()
     print(json.dumps({"step_s": timed(opt.step, device, args.repeats), "distlm": distlm.__file__,
                       "device": device_name(device)}))
     return 0
@@ -191,11 +195,14 @@ def median(xs: list[float]):
 
 def measure_steps(args, codes: dict, overrides: list[str], out: Path, env: dict, failed: list) -> dict:
     """optimizer.step() of each code, each measurement its own process, the codes in turns."""
-    steps: dict = {k: [] for k in codes}
+    # The new code also with AdamW on the caller's stream: what the side stream adds on its own.
+    variants = [(name, code, []) for name, code in codes.items()] + [("new-adamw-inline", codes["new"],
+                                                                      ["--adamw-inline"])]
+    steps: dict = {name: [] for name, _, _ in variants}
     for r in range(args.rounds):
-        for name, code in codes.items():
+        for name, code, extra in variants:
             cmd = [args.python, str(Path(__file__).resolve()), "--step-only", "--code", str(code),
-                   "--config", args.config, "--repeats", str(args.repeats), *overrides]
+                   "--config", args.config, "--repeats", str(args.repeats), *extra, *overrides]
             log = out / f"step-{name}-{r}.log"
             rc, text = run(cmd, code, log, args.timeout, env)
             line = text.strip().splitlines()[-1] if text.strip() else ""
@@ -256,7 +263,7 @@ def compare(args) -> int:
         env = {"TORCHINDUCTOR_CACHE_DIR": cache}
         steps = measure_steps(args, codes, overrides, out, env, failed)
         benches = measure_benches(args, codes, overrides, out, env, failed)
-    summary = {name: summarise(steps[name], benches[name]) for name in codes}
+    summary = {name: summarise(steps[name], benches.get(name, [])) for name in steps}
     write_json(out / "optimizer-parts.json", {"config": args.config, "overrides": overrides, "torch": torch.__version__,
                                               "codes": {k: str(v) for k, v in codes.items()}, "steps": steps,
                                               "benches": benches, "summary": summary, "failed": failed})
@@ -267,10 +274,10 @@ def compare(args) -> int:
           f"optimizer measurements ({args.repeats} steps each) and {args.bench_rounds} bench run(s) per code")
     print("| code | optimizer.step ms | tok/s | MFU | step ms | optimizer phase ms |")
     print("|---|---|---|---|---|---|")
-    for name in codes:
+    for name in summary:
         s = summary[name]
         mfu = None if s["bench_mfu"] is None else 100 * s["bench_mfu"]
-        print(f"| {name} ({codes[name]}) | {cell(s['optimizer_step_ms'], '.2f')} | "
+        print(f"| {name} ({codes.get(name, codes['new'])}) | {cell(s['optimizer_step_ms'], '.2f')} | "
               f"{cell(s['bench_tokens_per_s'], ',.0f')} | {cell(mfu, '.1f')} | {cell(s['bench_step_ms'], '.1f')} | "
               f"{cell(s['bench_optimizer_phase_ms'], '.1f')} |")
     old, new = summary["old"], summary["new"]
@@ -301,6 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="--before: a tiny model on the CPU, the plumbing only")
     p.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)  # one code's step, own process
     p.add_argument("--code", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    p.add_argument("--adamw-inline", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = p.parse_args(argv)
     if args.before:
