@@ -21,6 +21,12 @@ FSDP2, TP and their products), and each rank then updates its own shard; with no
 share the work (one process, pipeline stages without data parallelism, Horovod) every rank
 orthogonalises the matrices it holds.
 
+The step works a stack at a time, not a matrix at a time: one foreach pass updates the
+momenta of every matrix, Newton-Schulz runs once per stack of matrices of one shape (on CUDA
+with its sums folded into the matmuls: ``newton_schulz_folded``), and one foreach pass per
+stack adds the updates. On CUDA the AdamW groups run on a side stream meanwhile
+(distlm/optim/side_stream.py): their memory-bound kernel fills the gaps between Muon's.
+
 ``MuonSpec`` is its entry in the optimizer registry (optim.name=muon): the blocks' matrices
 to Muon, everything else to AdamW in the same object.
 """
