@@ -123,7 +123,7 @@ def step_only(args, device: torch.device) -> int:
 
 
 def parts(args, device: torch.device) -> int:
-    from distlm.optim.muon import NS_BAND, newton_schulz
+    from distlm.optim.muon import NS_BAND, newton_schulz, newton_schulz_folded
     opt, ns_dtype = build(args.config, args.overrides, device)
     out = {"device": device_name(device), "torch": torch.__version__, "config": args.config,
            "overrides": args.overrides}
@@ -141,7 +141,8 @@ def parts(args, device: torch.device) -> int:
         if g["kind"] == "muon":
             for prm in g["params"]:
                 buckets.setdefault((tuple(prm.shape), g["split"], g["ns_steps"]), []).append(prm)
-    forms = (("unfolded", newton_schulz), ("folded", ns_folded), ("folded_compiled", torch.compile(ns_folded)))
+    forms = (("unfolded", newton_schulz), ("folded", newton_schulz_folded),
+             ("folded_compiled", torch.compile(newton_schulz_folded)))
     out["buckets"] = []
     for (shape, split, steps), params in buckets.items():
         stack = torch.stack([prm.grad for prm in params])
