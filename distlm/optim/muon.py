@@ -35,7 +35,7 @@ from torch.optim.adamw import adamw as adamw_update
 
 from distlm.config import Config, ConfigError
 from distlm.optim.adamw import ADAMW_STATE
-from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor
+from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
 from distlm.parallel.whole_matrix import WholeMatrices, local as _local
 
@@ -130,6 +130,9 @@ class Muon(torch.optim.Optimizer):
         # work is spread, not repeated).
         self.last_orthogonalised = 0
         super().__init__(params, dict(lr=lr))
+        # Its step honours ``found_inf`` (distlm/optim/base.py) when its AdamW groups run torch's
+        # fused kernel, the one that takes the flag (MuonSpec.skips_on_device).
+        self._step_supports_amp_scaling = all(g["fused"] for g in self.param_groups if g["kind"] == "adamw")
 
     def add_param_group(self, param_group: dict) -> None:
         kind = param_group.setdefault("kind", "muon")
@@ -197,7 +200,8 @@ class Muon(torch.optim.Optimizer):
         adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
                      lr=group["lr"] * group["lr_scale"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                     grad_scale=None, found_inf=getattr(self, "found_inf", None))
 
     # ---- Muon -------------------------------------------------------------------------
     def _muon_step(self, groups: list[dict]) -> None:
@@ -205,6 +209,7 @@ class Muon(torch.optim.Optimizer):
         # 2. Orthogonalise whole matrices, each on one rank (see the module docstring).
         # 3. p -= lr * lr_scale * update_scale * orth(momentum), on the shard.
         work = []  # (param, nesterov momentum (local), step size, split, ns_steps), in group order
+        flags: dict = {}  # found_inf (a step left out) as a bool, per device
         for group in groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
@@ -214,6 +219,13 @@ class Muon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs = [_local(self.state[p]["momentum_buffer"]) for p in ps]
             grads = [_local(p.grad) for p in ps]
+            skip = skip_flag(self, bufs[0].device, flags)
+            if skip is not None:
+                # A step left out: each gradient (dropped after the step) becomes its buffer, so
+                # the buffer and the Nesterov momentum come out as the buffer, NaN-free; the decay
+                # factor is 1 and ``apply`` adds nothing.
+                for g, b in zip(grads, bufs):
+                    torch.where(skip, b, g, out=g)
             mu = group["momentum"]
             # An average of past gradients (buf <- mu buf + (1 - mu) g) rather than a sum:
             # the orthogonalisation divides out the scale, and an average keeps the buffer
@@ -223,7 +235,8 @@ class Muon(torch.optim.Optimizer):
             moms = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
             lr = group["lr"] * group["lr_scale"]
             if group["weight_decay"]:
-                torch._foreach_mul_([_local(p) for p in ps], 1.0 - lr * group["weight_decay"])
+                decay = 1.0 - lr * group["weight_decay"]
+                torch._foreach_mul_([_local(p) for p in ps], decay if skip is None else torch.where(skip, 1.0, decay))
             split = group["split"]
             for p, m in zip(ps, moms):
                 rows, cols = p.shape[0] // split, p.shape[1]
@@ -233,6 +246,9 @@ class Muon(torch.optim.Optimizer):
         params = [p for p, _, _, _, _ in work]
 
         def apply(i: int, update: torch.Tensor) -> None:
+            skip = skip_flag(self, update.device, flags)
+            if skip is not None:
+                update = torch.where(skip, torch.zeros((), dtype=update.dtype, device=skip.device), update)
             _local(params[i]).add_(update, alpha=-sizes[i])
 
         self.last_orthogonalised = self.whole.map([(p, m, (split, ns_steps)) for p, m, _, split, ns_steps in work],
@@ -256,6 +272,9 @@ class MuonSpec(Spec):
     # The Nesterov momenta (one fp32 copy of every matrix, made before any is orthogonalised);
     # the stacks of one bucket at a time are a small part of it.
     step_temporaries = {MATRIX: 1.0, OTHER: 0.0}
+
+    def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def check(self, cfg: Config) -> None:
         t, o = cfg.train, cfg.optim
