@@ -37,9 +37,10 @@ def nonfinite_verdict(step: int, loss: float, grad_norm: float, bad_grads: Optio
     gradients (None: not looked at, the step was left out on the device and its gradients are
     gone) and the last checkpoint from before the fault."""
     where = f"non-finite values at step {step}: loss {loss}, grad norm {grad_norm}" + (
-        f"; gradients of {', '.join(bad_grads)}" if bad_grads else
-        "; train.on_nan=stop names the gradients" if bad_grads is None else "")
+        f"; gradients of {', '.join(bad_grads)}" if bad_grads else "")
     kept = f"; checkpoint {kept_ckpt} (before the fault) is kept" if kept_ckpt else ""
+    if bad_grads is None:
+        kept += "; train.on_nan=stop would name the gradients"
     if train_cfg.on_nan == "stop" or skips > train_cfg.max_nan_skips:
         why = "train.on_nan=stop" if train_cfg.on_nan == "stop" else \
             f"more than train.max_nan_skips={train_cfg.max_nan_skips} skipped steps"
