@@ -78,7 +78,8 @@ def _model_and_cfg(name: str):
 
 def _step(opt, found_inf=None):
     if found_inf is not None:
-        opt.grad_scale, opt.found_inf = None, torch.tensor(float(found_inf))
+        device = opt.param_groups[0]["params"][0].device
+        opt.grad_scale, opt.found_inf = None, torch.tensor(float(found_inf), device=device)
     try:
         opt.step()
     finally:
@@ -87,19 +88,24 @@ def _step(opt, found_inf=None):
 
 
 # ---- the optimizers ----------------------------------------------------------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_each_optimizer_leaves_a_flagged_step_out_bit_for_bit(name):
+def test_each_optimizer_leaves_a_flagged_step_out_bit_for_bit(name, device):
+    """On a GPU too (the torch there may not be this one): pytest tests/test_nan_device.py -k bit_for_bit"""
     spec = REGISTRY[name]
     runs = []
     for _ in range(2):  # one optimizer handed found_inf=0 on its good steps, one handed nothing
         model, cfg = _model_and_cfg(name)
+        model = model.to(device)
         runs.append((model, spec.build(model, cfg, BuildContext("cuda", ns_dtype=torch.float32))))
     (flagged_model, flagged), (plain_model, plain) = runs
-    assert spec.skips_on_device(flagged)
     gen = torch.Generator().manual_seed(1)
     params = list(flagged_model.parameters())
     for step in range(4):
-        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        grads = [torch.randn(p.shape, generator=gen).to(device) for p in params]
         for model in (flagged_model, plain_model):
             for p, g in zip(model.parameters(), grads):
                 p.grad = g.clone()
@@ -118,6 +124,7 @@ def test_each_optimizer_leaves_a_flagged_step_out_bit_for_bit(name):
         # A flag of 0 takes the step the unflagged optimizer takes, to the bit.
         assert same(snapshot(params, flagged), snapshot(list(plain_model.parameters()), plain)), (name, step)
     assert not same(snapshot(params, flagged), before)  # the step after the skipped one moved
+    assert spec.skips_on_device(flagged)
 
 
 def test_an_optimizer_without_the_flag_says_so():
