@@ -26,13 +26,13 @@ from distlm.device import resolve_device
 from distlm.io import atomic_write_text
 from distlm.model.float8 import check_float8_on
 from distlm.model.gpt import flops_per_token
+from distlm.optim import spec_for
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.compile_cache import CompileCache
 from distlm.train.fast_defaults import fast_defaults
 from distlm.train.evaluation import evaluation_for
-from distlm.optim import spec_for
 from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
 from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
 from distlm.train.matmul_dtype import MatmulDtypeProbe
