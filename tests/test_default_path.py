@@ -126,7 +126,8 @@ def test_default_path_script_plans_commands_that_distlm_accepts(cpu, capsys):
     tool = _tool()
     args = tool.main.__globals__["argparse"].Namespace(cpu=cpu, before="old", warmup=5, steps=20)
     plans = tool.variants(args)
-    assert [name for name, _, _ in plans] == ["default", "default-before", "default-nan-off", "best"]
+    assert [name for name, _, _ in plans] == ["default", "default-before", "default-nan-off", "default-nan-off-before",
+                                              "best"]
     assert plans[0][2][:4] == ["bench", "--config", "gpt2-124m-1024", "data.source=synthetic"]
     params = inspect.signature(bench).parameters
     for name, _, words in plans:

@@ -9,7 +9,9 @@ cache, a temporary folder outside OUT that is removed at the end):
     default          the README's command: distlm bench --config gpt2-124m-1024 data.source=synthetic
     default-before   the same command with the code in --before DIR (e.g. `git archive OLD distlm |
                      tar -x -C carry/old`), so the change is seen on the same card
-    default-nan-off  the README's command with train.on_nan=off: no host read of the loss per step
+    default-nan-off  the README's command with train.on_nan=off: no NaN/Inf check at all
+    default-nan-off-before  the same with the code in --before DIR: the old and the new default
+                     against the same command without the check, on the same card
     best             the best settings measured (docs/results/speed.md): on_nan=off, whole-model
                      compile, micro-batch 64 of a global 128, model.loss_chunk=8192
     nanogpt-bB       nanoGPT's own bench.py (--nanogpt DIR, a checkout in an ignored folder) at
@@ -56,6 +58,9 @@ def variants(args) -> list[tuple[str, str, list[str]]]:
     if args.before:
         out.append(("default-before", str(Path(args.before).resolve()), README + tiny + flags))
     out.append(("default-nan-off", str(ROOT), README + tiny + ["train.on_nan=off"] + flags))
+    if args.before:
+        out.append(("default-nan-off-before", str(Path(args.before).resolve()),
+                    README + tiny + ["train.on_nan=off"] + flags))
     out.append(("best", str(ROOT), README + tiny + (TINY_BEST if args.cpu else BEST) + flags))
     return out
 

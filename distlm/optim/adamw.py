@@ -22,3 +22,9 @@ class AdamWSpec(Spec):
         groups = param_groups(model, t.weight_decay)
         return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                  **elementwise_kernel(groups, ctx.device_type))
+
+    def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        # torch's fused kernel (CUDA, and CPU) returns at once when found_inf is 1.0, and its
+        # step counts are put back (+1, then -found_inf): parameters, moments and steps as they
+        # were. The foreach and per-tensor paths refuse the flag (torch 2.11 and 2.13 alike).
+        return bool(optimizer.defaults.get("fused"))

@@ -9,6 +9,13 @@ under FSDP2 / TP, resharded by DCP like the parameter) or is a scalar, and their
 planner (distlm/planner.py) counts the bytes from it, and so does the auto micro-batch that
 uses the planner's estimate; tests/test_optim_registry.py checks each declaration against
 the state a real step leaves.
+
+A step the Trainer must not take (a NaN/Inf loss or gradient, train.on_nan=skip) is decided on
+the device where the optimizer can: the Trainer sets ``optimizer.found_inf``, a 0-d float32
+tensor that is 1.0 when the step must be left out, as torch's GradScaler does for the optimizers
+that declare ``_step_supports_amp_scaling``, and the step leaves the parameters and the state as
+they were without reading the flag on the host. ``Spec.skips_on_device`` says whether a built
+optimizer honours it; one that does not gets the Trainer's host check instead.
 """
 from __future__ import annotations
 
@@ -65,6 +72,12 @@ class Spec:
     # names (auto: the Trainer measures this device once, the same on every rank).
     orthogonalises: bool = False
 
+    def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` (this spec's build) honours ``optimizer.found_inf`` (see the
+        module docstring). False: the Trainer reads the loss and the gradient norm on the host
+        before each step instead, one device sync per step."""
+        return False
+
     def state_bytes(self, kind: str) -> int:
         """Bytes of state per element of a parameter of this kind."""
         return sum(t.bytes_per_element() for t in self.state[kind])
@@ -74,3 +87,20 @@ class Spec:
 
     def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
         raise NotImplementedError
+
+
+def skip_flag(optimizer: torch.optim.Optimizer, device: torch.device,
+              cache: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """``optimizer.found_inf`` as a 0-d bool tensor on ``device`` (True: leave this step out), or
+    None when no flag is set. No host read on the device's own path; FSDP2 CPU offload keeps
+    the parameters in host memory, and the flag's copy there waits for the device. ``cache`` keeps one copy per device."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is None:
+        return None
+    if cache is not None and device in cache:
+        return cache[device]
+    # A copy into host memory must complete before the host-side kernels read it.
+    flag = found_inf.to(device, non_blocking=device.type != "cpu") != 0
+    if cache is not None:
+        cache[device] = flag
+    return flag

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from distlm.config import Config
-from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor
+from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import param_groups
 from distlm.parallel.whole_matrix import local
 
@@ -44,6 +44,8 @@ class Lion(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        # Its step honours ``found_inf`` (distlm/optim/base.py), as GradScaler expects of such an optimizer.
+        self._step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -51,6 +53,7 @@ class Lion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        flags: dict = {}
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
@@ -63,10 +66,22 @@ class Lion(torch.optim.Optimizer):
             moms = [local(self.state[p]["exp_avg"]) for p in ps]
             beta1, beta2 = group["betas"]
             lr = group["lr"]
+            skip = skip_flag(self, params[0].device, flags)
+            if skip is not None:
+                # A step left out: each gradient (dropped after the step) becomes its momentum,
+                # so both interpolations below give the momentum back unchanged, and a NaN in it
+                # reaches nothing; the update is zeroed below and the decay factor is 1.
+                for g, m in zip(grads, moms):
+                    torch.where(skip, m, g, out=g)
             if group["weight_decay"]:
-                torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+                decay = 1.0 - lr * group["weight_decay"]
+                torch._foreach_mul_(params, decay if skip is None else torch.where(skip, 1.0, decay))
             update = torch._foreach_lerp(moms, grads, 1.0 - beta1)
             torch._foreach_sign_(update)
+            if skip is not None:
+                zero = torch.zeros((), dtype=update[0].dtype, device=skip.device)
+                for u in update:
+                    torch.where(skip, zero, u, out=u)
             torch._foreach_add_(params, update, alpha=-lr)
             del update
             torch._foreach_lerp_(moms, grads, 1.0 - beta2)
@@ -83,3 +98,6 @@ class LionSpec(Spec):
     def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
         o = cfg.optim
         return Lion(param_groups(model, o.lion_weight_decay), lr=cfg.train.lr, betas=(o.lion_beta1, o.lion_beta2))
+
+    def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        return True

@@ -41,7 +41,7 @@ from torch.optim.adamw import adamw as adamw_update
 
 from distlm.config import Config, ConfigError
 from distlm.optim.adamw import ADAMW_STATE
-from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor
+from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
 from distlm.optim.side_stream import overlap_for
 from distlm.parallel.whole_matrix import WholeMatrices, local as _local
@@ -167,6 +167,9 @@ class Muon(torch.optim.Optimizer):
         # Per device: how AdamW's groups run beside Muon's (a side CUDA stream; in order on CPU).
         self._overlap: dict = {}
         super().__init__(params, dict(lr=lr))
+        # Its step honours ``found_inf`` (distlm/optim/base.py) when its AdamW groups run torch's
+        # fused kernel, the one that takes the flag (MuonSpec.skips_on_device).
+        self._step_supports_amp_scaling = all(g["fused"] for g in self.param_groups if g["kind"] == "adamw")
 
     def add_param_group(self, param_group: dict) -> None:
         kind = param_group.setdefault("kind", "muon")
@@ -235,7 +238,9 @@ class Muon(torch.optim.Optimizer):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        return _AdamWJob(group, params, grads, exp_avgs, exp_avg_sqs, steps) if params else None
+        # found_inf is taken now: the job may run later, on a side stream that waits for this one.
+        return _AdamWJob(group, params, grads, exp_avgs, exp_avg_sqs, steps,
+                         getattr(self, "found_inf", None)) if params else None
 
     def _adamw_step(self, group: dict) -> None:
         """One AdamW group's update, on the current stream."""
@@ -254,6 +259,7 @@ class Muon(torch.optim.Optimizer):
         work = []  # (param, step size, split, ns_steps), in group order
         by_momentum: dict = {}  # (momentum, nesterov) -> indices into work
         by_decay: dict = {}  # weight-decay factor -> indices into work
+        flags: dict = {}  # found_inf (a step left out) as a bool, per device
         for group in groups:
             lr = group["lr"] * group["lr_scale"]
             split = group["split"]
@@ -271,6 +277,13 @@ class Muon(torch.optim.Optimizer):
         for (mu, nesterov), idx in by_momentum.items():
             bufs = [_local(self.state[work[i][0]]["momentum_buffer"]) for i in idx]
             grads = [_local(work[i][0].grad) for i in idx]
+            skip = skip_flag(self, bufs[0].device, flags)
+            if skip is not None:
+                # A step left out: each gradient (dropped after the step) becomes its buffer, so
+                # the buffer and the Nesterov momentum come out as the buffer, NaN-free; the decay
+                # factor is 1 and ``apply`` adds nothing.
+                for g, b in zip(grads, bufs):
+                    torch.where(skip, b, g, out=g)
             # An average of past gradients (buf <- mu buf + (1 - mu) g) rather than a sum:
             # the orthogonalisation divides out the scale, and an average keeps the buffer
             # the size of a gradient.
@@ -279,7 +292,9 @@ class Muon(torch.optim.Optimizer):
             for i, m in zip(idx, torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs):
                 moms[i] = m
         for factor, idx in by_decay.items():
-            torch._foreach_mul_([_local(work[i][0]) for i in idx], factor)
+            targets = [_local(work[i][0]) for i in idx]
+            skip = skip_flag(self, targets[0].device, flags)
+            torch._foreach_mul_(targets, factor if skip is None else torch.where(skip, 1.0, factor))
         self.whole.wire_dtype = self.ns_dtype
 
         def apply(indices: list[int], updates: torch.Tensor) -> None:
@@ -288,6 +303,9 @@ class Muon(torch.optim.Optimizer):
             # size (one per stack unless groups of one shape differ in rate).
             targets = [_local(work[i][0]) for i in indices]
             updates = updates.to(dtype=targets[0].dtype, memory_format=torch.contiguous_format)
+            skip = skip_flag(self, updates.device, flags)
+            if skip is not None:
+                updates = torch.where(skip, torch.zeros((), dtype=updates.dtype, device=skip.device), updates)
             by_size: dict = {}
             for k, i in enumerate(indices):
                 by_size.setdefault(work[i][1], []).append(k)
@@ -309,8 +327,9 @@ class _AdamWJob:
     """One AdamW group's update, its lists gathered (and its state made) beforehand, so it can
     run later on another stream. ``device``: where its kernels run."""
 
-    def __init__(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list):
-        self.group, self.params, self.grads = group, params, grads
+    def __init__(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list,
+                 found_inf=None):
+        self.group, self.params, self.grads, self.found_inf = group, params, grads, found_inf
         self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
         self.device = params[0].device
 
@@ -319,7 +338,8 @@ class _AdamWJob:
         beta1, beta2 = g["betas"]
         adamw_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
                      foreach=g["foreach"], fused=g["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
-                     lr=g["lr"] * g["lr_scale"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+                     lr=g["lr"] * g["lr_scale"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+                     grad_scale=None, found_inf=self.found_inf)
 
 
 # The largest share of a model's matrices that one Newton-Schulz stack holds (see MuonSpec).
@@ -343,6 +363,9 @@ class MuonSpec(Spec):
     # block at most a third of them (the MLP's input or output projection, d_ff = 4 d_model).
     # tests/test_muon_side_stream.py measures the peak on a GPU against this.
     step_temporaries = {MATRIX: 1.0 + 3 * LARGEST_STACK, OTHER: 0.0}
+
+    def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def check(self, cfg: Config) -> None:
         t, o = cfg.train, cfg.optim

@@ -7,11 +7,14 @@ backward, so the optimizer steps as is, and every rank writes its part of a chec
 the backward and must be finished (``synchronize``) before clipping; then the step must
 not synchronise again. Replicas are identical, so rank 0 writes the whole checkpoint.
 
-The Trainer calls the same methods on either; the differences live here.
+The Trainer calls the same methods on either; the differences live here. Either steps the
+one optimizer the Trainer built over this rank's parameters (its shards under FSDP2 / TP, its
+stages' under PP), and hands it the Trainer's ``found_inf`` flag (see ``flagged``).
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import contextlib
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -40,8 +43,9 @@ class TorchEngine:
         from distlm.parallel.grad import reduce_partial_grads
         reduce_partial_grads(p for group in optimizer.param_groups for p in group["params"])
 
-    def optimizer_step(self, optimizer) -> None:
-        optimizer.step()
+    def optimizer_step(self, optimizer, found_inf: Optional[torch.Tensor] = None) -> None:
+        with flagged(optimizer, found_inf):
+            optimizer.step()
 
     def save(self, dims, comm, write: Callable[[bool], T], skipped: Callable[[], T]) -> T:
         """Every rank writes its own shards; ``write(async_allowed)``."""
@@ -67,8 +71,8 @@ class HorovodEngine:
     def finish_grad_reduction(self, optimizer) -> None:
         optimizer.synchronize()  # clipping must see the averaged gradients
 
-    def optimizer_step(self, optimizer) -> None:
-        with optimizer.skip_synchronize():
+    def optimizer_step(self, optimizer, found_inf: Optional[torch.Tensor] = None) -> None:
+        with optimizer.skip_synchronize(), flagged(optimizer, found_inf):
             optimizer.step()
 
     def save(self, dims, comm, write: Callable[[bool], T], skipped: Callable[[], T]) -> T:
@@ -78,6 +82,22 @@ class HorovodEngine:
             return write(False) if dims.is_main else skipped()
         finally:
             comm.barrier()
+
+
+@contextlib.contextmanager
+def flagged(optimizer, found_inf: Optional[torch.Tensor]):
+    """``found_inf`` (a 0-d float32 tensor on the device, 1.0: leave this step out) set on the
+    optimizer for one step, as torch's GradScaler hands it to an optimizer whose step takes it
+    (distlm/optim/base.py); None sets nothing. Every rank holds the same flag (it is made from
+    the global gradient norm and the mean loss), so every rank takes the step or none does."""
+    if found_inf is None:
+        yield
+        return
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
 
 
 ENGINES = {"torch": TorchEngine, "horovod": HorovodEngine}

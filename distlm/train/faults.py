@@ -6,6 +6,11 @@
   ``train.watchdog_s`` it prints its rank, its last step and every thread's Python stack
   to stderr and exits, so a hung collective ends with the place each rank stood instead
   of waiting forever.
+- A NaN/Inf loss or gradient norm (train.on_nan): a guard decides each step whether the
+  optimizer steps. ``DeviceSkip`` (on_nan=skip, the default, with an optimizer whose step takes
+  a found_inf flag) decides on the device and is read when the Trainer reads the loss anyway;
+  ``HostCheck`` (on_nan=stop, or an optimizer without the flag) reads two numbers on the host
+  before the step, which waits for the device every step; ``Unchecked`` (off) does neither.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -23,19 +30,117 @@ class TrainingStopped(RuntimeError):
     """Training cannot go on (non-finite values, an unwritable checkpoint); the message says why."""
 
 
-def nonfinite_verdict(step: int, loss: float, grad_norm: float, bad_grads: list, kept_ckpt, skips: int,
-                      train_cfg) -> str:
+def nonfinite_verdict(step: int, loss: float, grad_norm: float, bad_grads: Optional[list], kept_ckpt,
+                      skips: int, train_cfg) -> str:
     """A step with a NaN/Inf loss or gradient: the warning to print when it is skipped, or
     TrainingStopped under train.on_nan=stop or past train.max_nan_skips. Names the bad
-    gradients and the last checkpoint from before the fault."""
+    gradients (None: not looked at, the step was left out on the device and its gradients are
+    gone) and the last checkpoint from before the fault."""
     where = f"non-finite values at step {step}: loss {loss}, grad norm {grad_norm}" + (
         f"; gradients of {', '.join(bad_grads)}" if bad_grads else "")
     kept = f"; checkpoint {kept_ckpt} (before the fault) is kept" if kept_ckpt else ""
+    if bad_grads is None:
+        kept += "; train.on_nan=stop would name the gradients"
     if train_cfg.on_nan == "stop" or skips > train_cfg.max_nan_skips:
         why = "train.on_nan=stop" if train_cfg.on_nan == "stop" else \
             f"more than train.max_nan_skips={train_cfg.max_nan_skips} skipped steps"
         raise TrainingStopped(f"{where} ({why}){kept}")
     return f"warning: {where}: step skipped ({skips}/{train_cfg.max_nan_skips}){kept}"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A step whose mean loss or global gradient norm was not finite (1-based, as logged)."""
+    step: int
+    loss: float
+    grad_norm: float
+    bad_grads: Optional[list]  # parameters with a non-finite gradient; None: not looked at
+
+
+# What a guard is handed each step: the optimizer step, given found_inf (a 0-d float32 tensor on
+# the device, 1.0: leave the step out; distlm/optim/base.py) or None.
+OptimizerStep = Callable[[Optional[torch.Tensor]], None]
+OnFaults = Callable[[list], None]
+
+
+class Unchecked:
+    """train.on_nan=off: every step is taken, nothing is read."""
+
+    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer_step: OptimizerStep) -> None:
+        optimizer_step(None)
+
+    def read(self) -> None:
+        pass
+
+
+class HostCheck:
+    """The loss and the gradient norm read on the host before the step: the host waits for the
+    device every step. train.on_nan=stop must stop before the faulty step is taken (and names
+    the gradients while they exist); on_nan=skip comes here with an optimizer that cannot skip
+    on the device. ``on_faults`` hears of a fault at once (it may raise TrainingStopped)."""
+
+    def __init__(self, model: torch.nn.Module, on_faults: OnFaults):
+        self.model, self.on_faults = model, on_faults
+
+    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer_step: OptimizerStep) -> None:
+        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss)):
+            optimizer_step(None)
+        else:
+            self.on_faults([Fault(step, float(loss), float(grad_norm), nonfinite_grads(self.model))])
+
+    def read(self) -> None:
+        pass
+
+
+class DeviceSkip:
+    """train.on_nan=skip decided on the device: the optimizer gets found_inf and leaves the step
+    out itself, so the host never waits for the verdict. The verdicts of the steps since the
+    last read are kept on the device (a flag, the loss and the norm of each: a few bytes a step)
+    and read together, in one transfer, by ``read``: the Trainer reads them where it reads the
+    loss anyway (a log row, an evaluation, before a checkpoint, at the end), and ``on_faults``
+    then hears of the steps left out, in order. Every rank holds the same flags (global norm,
+    mean loss), so every rank hears the same faults at the same read."""
+
+    # Read at least this often even if no one asks (a benchmark steps without logging).
+    MAX_PENDING = 1000
+
+    def __init__(self, on_faults: OnFaults):
+        self.on_faults = on_faults
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer_step: OptimizerStep) -> None:
+        found_inf = torch.logical_not(torch.isfinite(grad_norm) & torch.isfinite(loss)).float()
+        optimizer_step(found_inf)
+        self._pending.append((step, found_inf, loss.detach(), grad_norm.detach()))
+        if len(self._pending) >= self.MAX_PENDING:
+            self.read()
+
+    @property
+    def unread(self) -> int:
+        """Steps whose verdict has not been read yet."""
+        return len(self._pending)
+
+    def read(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        device = pending[0][1].device
+        columns = [torch.stack([entry[i].float().to(device) for entry in pending]) for i in (1, 2, 3)]
+        flags, losses, norms = torch.stack(columns).tolist()  # the one host read
+        faults = [Fault(entry[0], loss, norm, None)
+                  for entry, flag, loss, norm in zip(pending, flags, losses, norms) if flag]
+        if faults:
+            self.on_faults(faults)
+
+
+def nonfinite_guard(train_cfg, skips_on_device: bool, model: torch.nn.Module, on_faults: OnFaults):
+    """The guard train.on_nan names; ``skips_on_device``: the optimizer's step takes found_inf
+    (its Spec.skips_on_device)."""
+    if train_cfg.on_nan == "off":
+        return Unchecked()
+    if train_cfg.on_nan == "skip" and skips_on_device:
+        return DeviceSkip(on_faults)
+    return HostCheck(model, on_faults)
 
 
 def stop_reason(stop, t_start: float, train_cfg, step: int, dims, comm, device) -> str | None:

@@ -26,14 +26,14 @@ from distlm.device import resolve_device
 from distlm.io import atomic_write_text
 from distlm.model.float8 import check_float8_on
 from distlm.model.gpt import flops_per_token
+from distlm.optim import spec_for
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.compile_cache import CompileCache
 from distlm.train.fast_defaults import fast_defaults
 from distlm.train.evaluation import evaluation_for
-from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
-                                 stop_reason)
+from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
 from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
 from distlm.train.matmul_dtype import MatmulDtypeProbe
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
@@ -96,6 +96,10 @@ class Trainer:
         self.plan = build_model(cfg, self.dims, self.device, self.task, clock)
         self.model, self.gpt, self.stepper = self.plan.model, self.plan.module, self.plan.step
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        # train.on_nan: who decides whether a step with a NaN/Inf loss or gradient is taken, the
+        # device (the optimizer's step takes a found_inf flag) or the host (distlm/train/faults.py).
+        self.nan_guard = nonfinite_guard(cfg.train, spec_for(cfg).skips_on_device(self.optimizer), self.model,
+                                         self._on_nonfinite)
         self.loader = self.task.build_loader(cfg, self.dims, self.device)
         self.seq_schedule = SeqSchedule.from_config(cfg)  # rows of each step (train.seq_warmup_steps)
         self.stepper.bind(self.task, cfg, self.plan, self.loader.accum_steps)
@@ -229,34 +233,46 @@ class Trainer:
         mark("data")
         loss_mean = self.comm.mean(self.stepper.forward_backward(micro, self.compute, sync_grads))
         mark("forward_backward")
-        # The next step's batch is made now, while the device runs this one: the NaN check
-        # below waits for the device, and host work after it would leave the device idle.
+        # The next step's batch is made now, while the device runs this one: a host check of
+        # the loss below (train.on_nan=stop) waits for the device, and host work after it would
+        # leave the device idle.
         self.loader.prefetch()
         self.engine.finish_grad_reduction(self.optimizer)
         grad_norm = self.stepper.clip(self.cfg.train.grad_clip)
-        # grad_norm is global (reduced over every rank), so all ranks take the same branch.
-        # The check reads two numbers on the host: one device sync per step (on_nan=off avoids it).
-        if self.cfg.train.on_nan == "off" or (bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_mean))):
-            self.engine.optimizer_step(self.optimizer)
-        else:
-            self._on_nonfinite(float(loss_mean), float(grad_norm))
+        # grad_norm is global (reduced over every rank) and the loss is the mean over them, so
+        # every rank reaches the same verdict. Under the default (train.on_nan=skip) the device
+        # decides and the Trainer reads the verdicts with the loss (read_faults); on_nan=stop
+        # reads two numbers on the host first, one device sync per step.
+        self.nan_guard.step(self.step + 1, loss_mean, grad_norm,
+                            lambda found_inf: self.engine.optimizer_step(self.optimizer, found_inf))
         self.optimizer.zero_grad()  # set_to_none, the default since torch 2.0 (Horovod takes no argument)
         mark("optimizer")
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.model.block_size
         return loss_mean, grad_norm
 
-    def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
+    def read_faults(self) -> None:
+        """Read the verdicts of the steps since the last read (train.on_nan=skip decides them on
+        the device): a warning for each step left out, TrainingStopped past train.max_nan_skips.
+        Called where the loss is read anyway, and before anything is saved: a checkpoint never
+        holds a skip count that was not read."""
+        self.nan_guard.read()
+
+    def _on_nonfinite(self, faults: list) -> None:
+        """Steps left out for a NaN/Inf loss or gradient (distlm/train/faults.py: Fault), told at
+        the step (a host check) or at the next read (decided on the device). No checkpoint is
+        written between a fault and its read, so the newest one is from before the fault."""
         complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
         if complete:
             # The last good state survives pruning: one checkpoint, the newest before the latest
             # fault (one per fault kept 6 checkpoints under keep_last=2).
             self.protected = [complete[-1].name]
-        self.nan_skips += 1
-        warning = nonfinite_verdict(self.step + 1, loss, grad_norm, nonfinite_grads(self.model),
-                                    complete[-1] if complete else None, self.nan_skips, self.cfg.train)
-        if self.dims.is_main:
-            print(warning)
+        for fault in faults:
+            self.nan_skips += 1
+            warning = nonfinite_verdict(fault.step, fault.loss, fault.grad_norm, fault.bad_grads,
+                                        complete[-1] if complete else None, self.nan_skips, self.cfg.train)
+            if self.dims.is_main:
+                print(warning, flush=True)
 
     def evaluate(self) -> float:
         # Which graphs, grad mode and train/eval mode: distlm/train/evaluation.py
@@ -267,6 +283,7 @@ class Trainer:
     def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
         """A checkpoint of this step (collective). A write error stops training or, with
         train.on_save_error=continue, is reported and training goes on."""
+        self.read_faults()  # may stop training: then nothing is written
         root = self.run_dir / "checkpoints"
         if val_loss is not None and math.isfinite(val_loss) and (self.best_val is None or val_loss < self.best_val):
             self.best_val, self.best_ckpt = val_loss, f"step_{self.step:07d}"
@@ -410,6 +427,7 @@ class Trainer:
                 ran: bool) -> dict:
         """The final checkpoint first, then the final evaluation: an evaluation that fails
         must not cost the last steps. A run resumed at its end trains nothing and logs nothing."""
+        self.read_faults()  # the run's last steps, before its last checkpoint and evaluation
         ckpt_dir = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
         # The last step may have been saved by checkpoint_every already: saving it again
         # would move a complete checkpoint aside for a moment, for nothing.
@@ -463,6 +481,7 @@ class Trainer:
     def _log_step(self, logger, say, loss, grad_norm, do_eval: bool, t_start: float,
                   status) -> tuple[float, Optional[float]]:
         cfg = self.cfg
+        self.read_faults()  # the steps left out since the last row, warned about before it
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # time what ran, not what was queued
         t0, step0 = self._window
