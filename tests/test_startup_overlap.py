@@ -1,0 +1,96 @@
+"""Start-up: the compiler imported on a thread of its own beside the set-up, joined before the
+model is built, and the set-up line saying what ran beside its phases."""
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlm.config import load_config
+from distlm.parallel import ParallelDims
+from distlm.tasks import build_task
+from distlm.train.metrics import SetupClock
+from distlm.train.setup import COMPILER_MODULES, BackgroundImport, build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+        "model.vocab_size=64", "data.source=synthetic", "train.device=cpu", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "train.compile=true", "train.compile_scope=block", "model.loss_chunk=0"]
+
+
+def _module(tmp_path, monkeypatch, name: str, body: str) -> None:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_the_import_runs_on_another_thread_and_join_waits_for_it(tmp_path, monkeypatch):
+    # the module blocks until the test lets it finish: join() must wait for the whole import
+    _module(tmp_path, monkeypatch, "startup_slow_mod", """
+        import threading
+        import startup_gate
+        ran_on = threading.current_thread().name
+        startup_gate.release.wait()
+        done = True
+        """)
+    gate = type(sys)("startup_gate")
+    gate.release = threading.Event()
+    monkeypatch.setitem(sys.modules, "startup_gate", gate)
+    monkeypatch.delitem(sys.modules, "startup_slow_mod", raising=False)
+    bg = BackgroundImport(["startup_slow_mod"], name="slow import").start()
+    waiter = threading.Thread(target=bg.join)
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive(), "join() returned before the import had finished"
+    gate.release.set()
+    waiter.join()
+    assert bg.join() >= 0 and bg.seconds is not None and bg.waited is not None
+    mod = sys.modules["startup_slow_mod"]
+    assert mod.done and mod.ran_on != threading.main_thread().name
+    assert re.fullmatch(r"slow import \d+\.\d s in the background, waited \d+\.\d s", bg.describe())
+
+
+def test_a_failed_import_is_raised_by_join_in_the_caller(tmp_path, monkeypatch):
+    _module(tmp_path, monkeypatch, "startup_broken_mod", "raise ImportError('no such compiler here')\n")
+    monkeypatch.delitem(sys.modules, "startup_broken_mod", raising=False)
+    bg = BackgroundImport(["startup_broken_mod"]).start()
+    with pytest.raises(ImportError, match="no such compiler here"):
+        bg.join()
+    with pytest.raises(ImportError):  # every join says so, not only the first
+        bg.join()
+
+
+def test_build_model_joins_the_background_import_and_builds_the_same_model():
+    cfg = load_config("tiny", TINY)
+    task = build_task(cfg)
+    plain = build_model(cfg, ParallelDims(), torch.device("cpu"), task)
+    clock = SetupClock()
+    bg = BackgroundImport(COMPILER_MODULES).start()
+    overlapped = build_model(cfg, ParallelDims(), torch.device("cpu"), task, clock, bg)
+    assert all(m in sys.modules for m in COMPILER_MODULES) and bg.waited is not None
+    names = [n for n, _ in clock.phases]
+    assert names[0] == "compiler import wait" and "compiler import" not in names
+    a, b = plain.module.state_dict(), overlapped.module.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_setup_line_says_what_ran_beside_its_phases_and_the_reports_still_read_it():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    try:
+        import speedrun_report
+        import startup
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "tools"))
+    clock = SetupClock()
+    clock.phases = [("device and process group", 0.4), ("compiler import wait", 1.2), ("weights", 1.0)]
+    line = clock.line(background=("compiler import 3.7 s in the background, waited 1.2 s",))
+    assert line.startswith("set-up 2.6 s (device and process group 0.4, compiler import wait 1.2, weights 1.0; "
+                           "beside them: compiler import 3.7 s in the background, waited 1.2 s)"), line
+    row = startup.parse(line + "\n")
+    assert row["phases"] == {"device and process group": 0.4, "compiler import wait": 1.2, "weights": 1.0}
+    assert row["background"] == {"compiler import": 3.7}
+    if "since the process started" in line:
+        assert speedrun_report.SETUP.search(line)
