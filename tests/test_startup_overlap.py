@@ -94,3 +94,33 @@ def test_the_setup_line_says_what_ran_beside_its_phases_and_the_reports_still_re
     assert row["background"] == {"compiler import": 3.7}
     if "since the process started" in line:
         assert speedrun_report.SETUP.search(line)
+
+
+def test_the_trainer_starts_the_import_before_its_set_up_and_reports_it(tmp_path, monkeypatch):
+    """The Trainer's own path, on a CPU made to take the GPU's rule: the import starts before
+    the process group, build_model waits for it, and the set-up line says both."""
+    import distlm.train.trainer as trainer_module
+    started = []
+
+    def anywhere(compiles, device):
+        started.append(compiles)
+        return BackgroundImport(COMPILER_MODULES).start() if compiles else None
+    monkeypatch.setattr(trainer_module, "start_compiler_import", anywhere)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cfg = load_config("tiny", [*TINY, f"log.root={tmp_path}", "log.name=a", "train.max_steps=1",
+                               f"train.compile_cache={tmp_path / 'cache'}"])
+    t = trainer_module.Trainer(cfg)
+    assert started == [True]
+    assert re.search(r"compiler import wait \d+\.\d, model plan", t.setup_line), t.setup_line
+    assert re.search(r"; beside them: compiler import \d+\.\d s in the background, waited \d+\.\d s\)", t.setup_line)
+    # the cache folder was set before the import began, and is the one the run reports
+    assert t.compile_cache is not None and t.compile_cache.folder == tmp_path / "cache"
+
+
+def test_the_rule_starts_the_import_only_for_a_compiled_run_on_a_gpu():
+    from distlm.train.setup import start_compiler_import
+    assert start_compiler_import(True, torch.device("cpu")) is None
+    assert start_compiler_import(False, torch.device("cuda", 0)) is None
+    bg = start_compiler_import(True, torch.device("cuda", 0))  # imports only: no GPU needed
+    assert isinstance(bg, BackgroundImport) and bg.modules == COMPILER_MODULES
+    bg.join()

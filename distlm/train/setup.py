@@ -76,6 +76,15 @@ class BackgroundImport:
         return f"{self.name} {self.seconds or 0.0:.1f} s in the background, waited {self.waited or 0.0:.1f} s"
 
 
+def start_compiler_import(compiles: bool, device: torch.device) -> Optional[BackgroundImport]:
+    """The compiler's import, started now on a thread of its own, for a compiled run on a GPU:
+    there the set-up's next phases (process group, CUDA's context, data and memory checks) wait
+    without the GIL, so the import runs beside them. None elsewhere: on a CPU the set-up holds
+    the GIL throughout and the Newton-Schulz probe times matmuls the import would slow, so
+    build_model imports the compiler itself, as before."""
+    return BackgroundImport(COMPILER_MODULES).start() if compiles and device.type == "cuda" else None
+
+
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clock=None,
                 compiler: Optional[BackgroundImport] = None) -> ParallelPlan:
     """Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole

@@ -45,7 +45,7 @@ from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import COMPILER_MODULES, BackgroundImport, autocast_dtype, build_model
+from distlm.train.setup import autocast_dtype, build_model, start_compiler_import
 
 
 class Trainer:
@@ -56,13 +56,12 @@ class Trainer:
         clock = SetupClock()
         self.device = resolve_device(cfg.train.device, local_rank)
         # A compiled run on a GPU imports the compiler on a thread of its own from here on,
-        # beside the process group, CUDA's context, the data check and the memory check, which
-        # wait without the GIL; build_model joins it. On a CPU there is nothing to overlap
-        # (and the Newton-Schulz probe times matmuls the import would slow): build_model
-        # imports it. The cache folder is set first: the compiler reads it from the environment.
+        # beside the process group, CUDA's context, the data check and the memory check;
+        # build_model joins it (distlm/train/setup.py says where and why). The cache folder is
+        # set first: the compiler reads it from the environment.
         compiles = cfg.train.compile if cfg.train.compile is not None else self.device.type == "cuda"  # fast_defaults' rule
         self.compile_cache = CompileCache.open(cfg.train.compile_cache) if compiles else None
-        compiler = BackgroundImport(COMPILER_MODULES).start() if compiles and self.device.type == "cuda" else None
+        compiler = start_compiler_import(compiles, self.device)
         check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
         self.dims = dims or self.engine.init(cfg.parallel, self.device.type)
