@@ -124,3 +124,21 @@ def test_the_rule_starts_the_import_only_for_a_compiled_run_on_a_gpu():
     bg = start_compiler_import(True, torch.device("cuda", 0))  # imports only: no GPU needed
     assert isinstance(bg, BackgroundImport) and bg.modules == COMPILER_MODULES
     bg.join()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_a_compiled_run_imports_the_compiler_beside_its_set_up(tmp_path):
+    """`pytest -m gpu`: a fresh process on one GPU, as a user starts it; its set-up line says the
+    compiler was imported beside the phases, and the run trains."""
+    import os
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-m", "distlm", "train", "--config", "tiny", "data.source=synthetic",
+                          "model.vocab_size=1000", "train.max_steps=2", "train.compile=true", "train.eval_every=0",
+                          "log.progress=false", f"log.root={tmp_path}", "log.name=g",
+                          f"train.compile_cache={tmp_path / 'cache'}"],
+                         env=env, capture_output=True, text=True, timeout=600, check=True)
+    assert re.search(r"compiler import wait \d+\.\d.*; beside them: compiler import \d+\.\d s in the background",
+                     out.stdout), out.stdout
+    assert "done: step 2" in out.stdout
