@@ -142,3 +142,36 @@ def test_on_a_gpu_a_compiled_run_imports_the_compiler_beside_its_set_up(tmp_path
     assert re.search(r"compiler import wait \d+\.\d.*; beside them: compiler import \d+\.\d s in the background",
                      out.stdout), out.stdout
     assert "done: step 2" in out.stdout
+
+
+def test_two_ranks_set_up_with_the_import_beside_their_process_group(tmp_path):
+    """Two gloo ranks (one launch), each importing the compiler on its thread while the main
+    thread joins the process group, claims the run folder and checks memory: both finish the
+    set-up, each with the same model (DDP broadcast rank 0's weights; the wait is reported)."""
+    import os
+    script = tmp_path / "set_up.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys
+        import torch
+        import distlm.train.trainer as trainer_module
+        from distlm.config import load_config
+        from distlm.train.setup import COMPILER_MODULES, BackgroundImport
+        trainer_module.start_compiler_import = lambda compiles, device: (
+            BackgroundImport(COMPILER_MODULES).start() if compiles else None)
+        cfg = load_config("tiny", {TINY!r} + ["log.root={tmp_path}", "log.name=ddp", "train.max_steps=1",
+                                              "parallel.dp_replicate=2", "train.global_batch_size=4", "train.compile_cache={tmp_path / 'cache'}"])
+        t = trainer_module.Trainer(cfg)
+        total = float(sum(p.detach().double().sum() for p in t.gpt.parameters()))
+        with open(os.path.join("{tmp_path}", f"rank{{t.dims.rank}}.json"), "w") as f:
+            json.dump({{"line": t.setup_line, "total": total}}, f)
+        """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    import json
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert "; beside them: compiler import" in r["line"] and "compiler import wait" in r["line"], r["line"]
+    assert ranks[0]["total"] == ranks[1]["total"]
