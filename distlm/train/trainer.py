@@ -30,6 +30,7 @@ from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.compile_cache import CompileCache
+from distlm.train.cuda_driver import local_rank
 from distlm.train.fast_defaults import fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, nonfinite_grads, nonfinite_verdict,
@@ -49,12 +50,12 @@ from distlm.train.setup import autocast_dtype, build_model, start_compiler_impor
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run"):
-        # torchrun sets LOCAL_RANK; horovodrun only HOROVOD_LOCAL_RANK (without it every Horovod
-        # rank took cuda:0 and NCCL refused: "ncclCommInitRank failed: invalid usage", 2x H200).
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", 0)))
+    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run",
+                 background: tuple = ()):
+        """``background``: work started before the Trainer that runs beside its set-up (the
+        train verb's CudaDriverStart), reported in the set-up line."""
         clock = SetupClock()
-        self.device = resolve_device(cfg.train.device, local_rank)
+        self.device = resolve_device(cfg.train.device, local_rank(os.environ))
         # A compiled run on a GPU imports the compiler on a thread of its own from here on,
         # beside the process group, CUDA's context, the data check and the memory check;
         # build_model joins it (distlm/train/setup.py says where and why). The cache folder is
@@ -129,7 +130,8 @@ class Trainer:
         self._write_run_files()
         clock.lap("resume and run files")
         # printed by train(); compilation comes later, in the first step
-        self.setup_line = clock.line(background=(compiler.describe(),) if compiler is not None else ())
+        said = (b.describe() for b in (*background, compiler) if b is not None)
+        self.setup_line = clock.line(background=tuple(line for line in said if line))
 
     # ---- set-up -------------------------------------------------------------------
     def _say_compile_cache(self) -> None:
