@@ -87,6 +87,12 @@ def test_a_second_run_loads_what_the_first_compiled(tmp_path):
     assert re.search(rf"compile cache: {re.escape(str(folder))} \(warm, \d+ files", second.stdout), second.stdout
     warm = re.search(r"compile cache (\w+): (\d+) graphs loaded, (\d+) compiled", second.stdout)
     assert warm and warm.group(1) == "warm" and warm.group(2) == cold.group(3) and warm.group(3) == "0", second.stdout
+    # torch's own timers split the first step: cold it compiled, warm it only traced and loaded
+    split = re.compile(r"in the compiler ([0-9.]+) s \(tracing ([0-9.]+), loading from the cache ([0-9.]+), "
+                       r"compiling ([0-9.]+)\), the rest ([0-9.]+) s")
+    cold_split, warm_split = split.search(first.stdout), split.search(second.stdout)
+    assert cold_split and float(cold_split.group(4)) > 0, first.stdout
+    assert warm_split and float(warm_split.group(4)) == 0 and float(warm_split.group(3)) > 0, second.stdout
     # the same losses: what was loaded is what was compiled
     loss = re.compile(r"step +2/2 .*?loss ([0-9.]+)")
     assert loss.search(first.stdout).group(1) == loss.search(second.stdout).group(1)

@@ -199,4 +199,4 @@ def test_startup_tool_reads_the_set_up_and_first_step_lines():
     assert (row["cache"], row["loaded"], row["compiled"]) == ("warm", 4, 0)
     assert startup.parse("no set-up here") is None
     md = startup.table([{"gpus": 1, "run": "warm", **row}])
-    assert "| 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | 19.6 | 4 / 0 |")
+    assert "| this | 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | - | 19.6 | 4 / 0 |")

@@ -1,16 +1,25 @@
-"""Where the seconds before the first step go, cold and warm, on 1 and N GPUs.
+"""Where the seconds before the first step go, cold and warm, on 1 and N GPUs, for this code and,
+in the same run, for another copy of distlm (the code before a change).
 
-    python benchmarks/tools/startup.py [--config speedrun-124m] [--gpus 1,4] [--out DIR] [--cpu] [-- OVERRIDES]
+    python benchmarks/tools/startup.py [--config speedrun-124m] [--gpus 1,4] [--out DIR] [--cpu]
+                                       [--old DIR] [--repeat N] [--importtime] [-- OVERRIDES]
 
 For each GPU count, `distlm train` (torchrun above one GPU, DDP) runs 3 steps on synthetic tokens
 twice with one compile-cache folder (train.compile_cache): first from an empty one (cold), then
-again on what the first left (warm). From each log it takes the set-up line (its phases, and
-the seconds since the process started, so what came before the Trainer: imports, CUDA's
-libraries, the config) and the line after the first step (how long the first step took after
-set-up, compilation included, and what it loaded from the cache). Writes OUT/startup.md and
-startup.json, one row per (GPUs, cold or warm): before set-up, each set-up phase, the first
-step, and the total from process start to the end of the first step. --cpu runs a tiny model
-on the CPU (inductor's C++ backend): the plumbing, not figures.
+again on what the first left (warm). With --old DIR (a folder holding another copy of the
+`distlm` package, e.g. `git archive main distlm | tar -x -C DIR`), that copy runs the same pair
+right before this one, with a cache folder of its own, so both see the same machine at the same
+moment; --repeat N does the whole round N times.
+
+From each log it takes the set-up line (its phases, what ran beside them, and the seconds since
+the process started, so what came before the Trainer: interpreter, imports, CUDA's libraries, the
+config) and the line after the first step (how long the first step took after set-up,
+compilation included, what it loaded from the cache, and where the compiler's seconds went).
+Writes OUT/startup.md and startup.json, one row per (code, GPUs, cold or warm): before set-up,
+each set-up phase, the first step, and the total from process start to the end of the first
+step. --importtime runs each code once more, warm on one GPU, under `python -X importtime` and
+adds the slowest top-level imports to startup.md. --cpu runs a tiny model on the CPU (inductor's
+C++ backend): the plumbing, not figures.
 """
 from __future__ import annotations
 
@@ -28,6 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SETUP = re.compile(r"^set-up ([0-9.]+) s \((.*)\); ([0-9.]+) s since the process started", re.M)
 FIRST = re.compile(r"^first step ([0-9.]+) s after set-up, compilation included; compile cache ([a-z ]+): "
                    r"(\d+) graphs loaded, (\d+) compiled", re.M)
+SPLIT = re.compile(r"in the compiler ([0-9.]+) s \(tracing ([0-9.]+), loading from the cache ([0-9.]+), "
+                   r"compiling ([0-9.]+)\), the rest ([0-9.]+) s")
+PHASE = re.compile(r"([a-z][a-z -]+?) (\d+\.\d)(?=,|$)")
+BESIDE = re.compile(r"([a-z][a-z -]+?) (\d+\.\d) s in the background")
 CPU = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.d_ff=128", "model.block_size=32",
        "model.vocab_size=256", "model.value_embeds=1", "train.device=cpu", "train.compile=true",
        "train.global_batch_size=4", "train.micro_batch_size=2", "model.loss_chunk=0"]
@@ -38,27 +51,46 @@ def parse(log: str) -> dict | None:
     setup, first = SETUP.search(log), FIRST.search(log)
     if setup is None:
         return None
-    phases = {name: float(v) for name, v in re.findall(r"([a-z][a-z -]+?) (\d+\.\d)(?=,|$)", setup.group(2))}
-    row = {"setup_s": float(setup.group(1)), "phases": phases, "since_start_s": float(setup.group(3)),
+    phases, _, beside = setup.group(2).partition("; beside them: ")
+    row = {"setup_s": float(setup.group(1)), "phases": {n: float(v) for n, v in PHASE.findall(phases)},
+           "background": {n: float(v) for n, v in BESIDE.findall(beside)},
+           "since_start_s": float(setup.group(3)),
            "before_setup_s": round(float(setup.group(3)) - float(setup.group(1)), 1)}
     if first:
         row.update(first_step_s=float(first.group(1)), cache=first.group(2), loaded=int(first.group(3)),
                    compiled=int(first.group(4)),
                    to_first_step_s=round(float(setup.group(3)) + float(first.group(1)), 1))
+        split = SPLIT.search(log[first.start():])
+        if split:
+            row["compiler"] = dict(zip(("total", "tracing", "loading", "compiling", "rest"),
+                                       map(float, split.groups())))
     return row
 
 
 def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["phases"]))
-    head = ["GPUs", "cache", "before set-up (imports, CUDA libraries, config)", *names, "set-up total",
-            "first step (compilation)", "process start to the end of step 1", "graphs loaded / compiled"]
+    beside = list(dict.fromkeys(n for r in rows for n in r.get("background", {})))
+    head = ["code", "GPUs", "cache", "before set-up (interpreter, imports, CUDA libraries, config)", *names,
+            *(f"beside the phases: {n}" for n in beside), "set-up total", "first step (compilation)",
+            "of it in the compiler: tracing / loading / compiling", "process start to the end of step 1",
+            "graphs loaded / compiled"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r["gpus"]), r["run"], f"{r['before_setup_s']:.1f}", *(f"{r['phases'].get(n, 0):.1f}" for n in names),
+        c = r.get("compiler")
+        cells = [r.get("code", "this"), str(r["gpus"]), r["run"], f"{r['before_setup_s']:.1f}",
+                 *(f"{r['phases'][n]:.1f}" if n in r["phases"] else "-" for n in names),
+                 *(f"{r['background'][n]:.1f}" if n in r.get("background", {}) else "-" for n in beside),
                  f"{r['setup_s']:.1f}", f"{r.get('first_step_s', float('nan')):.1f}",
+                 f"{c['total']:.1f}: {c['tracing']:.1f} / {c['loading']:.1f} / {c['compiling']:.1f}" if c else "-",
                  f"{r.get('to_first_step_s', float('nan')):.1f}", f"{r.get('loaded', '-')} / {r.get('compiled', '-')}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def slowest_imports(stderr: str, top: int = 15) -> list[tuple[str, float]]:
+    """The top-level imports of a `python -X importtime` run (cumulative seconds, slowest first)."""
+    rows = re.findall(r"^import time:\s+\d+ \|\s+(\d+) \| (\S.*)$", stderr, re.M)  # one space: top level
+    return sorted(((name, int(us) / 1e6) for us, name in rows), key=lambda r: -r[1])[:top]
 
 
 def main(argv: list[str]) -> int:
@@ -69,39 +101,71 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpus", default="1", help="comma-separated GPU counts, e.g. 1,4")
     p.add_argument("--out", default="bench-out/startup")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--old", help="a folder holding another copy of the distlm package, run beside this one")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of (old, this) x (cold, warm)")
+    p.add_argument("--importtime", action="store_true", help="each code once more under python -X importtime")
     p.add_argument("--cpu", action="store_true", help="a tiny model on the CPU (checks the plumbing)")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    rows, failed = [], 0
-    for gpus in (int(g) for g in args.gpus.split(",")):
-        cache = out / f"cache-{gpus}"
-        shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
-        for run in ("cold", "warm"):
-            name = f"{gpus}gpu-{run}"
-            shutil.rmtree(out / "runs" / name, ignore_errors=True)
-            train = ["train", "--config", args.config, "data.source=synthetic", "train.max_steps=3",
-                     "train.eval_every=0", "train.checkpoint_every=0", "log.progress=false", "log.tensorboard=false",
-                     "log.samples=0", f"train.compile_cache={cache}", f"log.root={out / 'runs'}", f"log.name={name}",
-                     *([f"parallel.dp_replicate={gpus}"] if gpus > 1 else []), *(CPU if args.cpu else []), *extra]
-            launch = [args.python, "-m", "distlm"] if gpus == 1 else [
-                args.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m", "distlm"]
-            t = time.time()
-            proc = subprocess.run([*launch, *train], cwd=ROOT, env=env, capture_output=True, text=True)
-            (out / f"log-{name}.txt").write_text(proc.stdout + proc.stderr)
-            row = parse(proc.stdout)
-            if proc.returncode or row is None:
-                print(f"{name}: exit {proc.returncode}; see {out / f'log-{name}.txt'}")
-                failed += 1
-                continue
-            rows.append({"gpus": gpus, "run": run, "wall_s": round(time.time() - t, 1), **row})
-            print(f"{name}: {row.get('to_first_step_s')} s to the end of step 1 ({row.get('cache')})", flush=True)
-    if rows:
-        (out / "startup.json").write_text(json.dumps(rows, indent=1) + "\n")
-        (out / "startup.md").write_text(table(rows))
-        print(table(rows))
+    codes = {"this": ROOT}
+    if args.old:
+        old = Path(args.old).resolve()
+        if not (old / "distlm" / "__main__.py").is_file():
+            print(f"--old {args.old}: no distlm/__main__.py there (pass the folder that holds the distlm package)")
+            return 2
+        codes = {"old": old, "this": ROOT}
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH")}
+    rows, failed, imports = [], 0, {}
+
+    def train_args(gpus: int, cache: Path, name: str) -> list[str]:
+        return ["train", "--config", args.config, "data.source=synthetic", "train.max_steps=3",
+                "train.eval_every=0", "train.checkpoint_every=0", "log.progress=false", "log.tensorboard=false",
+                "log.samples=0", f"train.compile_cache={cache}", f"log.root={out / 'runs'}", f"log.name={name}",
+                *([f"parallel.dp_replicate={gpus}"] if gpus > 1 else []), *(CPU if args.cpu else []), *extra]
+
+    def run(code: str, gpus: int, cache: Path, name: str, python_flags: tuple[str, ...] = ()):
+        # The working folder is OUT, not a checkout: `python -m` puts it first on sys.path, and
+        # the copy named by PYTHONPATH must be the one that runs.
+        env = {**base, "PYTHONPATH": str(codes[code])}
+        launch = [args.python, *python_flags, "-m", "distlm"] if gpus == 1 else [
+            args.python, *python_flags, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+            "-m", "distlm"]
+        shutil.rmtree(out / "runs" / name, ignore_errors=True)
+        return subprocess.run([*launch, *train_args(gpus, cache, name)], cwd=out, env=env, capture_output=True,
+                              text=True)
+
+    for rep in range(args.repeat):
+        for gpus in (int(g) for g in args.gpus.split(",")):
+            for code in codes:
+                cache = out / f"cache-{code}-{gpus}"
+                shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
+                for kind in ("cold", "warm"):
+                    name = f"{code}-{gpus}gpu-{kind}-{rep}"
+                    t = time.time()
+                    proc = run(code, gpus, cache, name)
+                    (out / f"log-{name}.txt").write_text(proc.stdout + proc.stderr)
+                    row = parse(proc.stdout)
+                    if proc.returncode or row is None:
+                        print(f"{name}: exit {proc.returncode}; see {out / f'log-{name}.txt'}")
+                        failed += 1
+                        continue
+                    rows.append({"code": code, "gpus": gpus, "run": kind, "round": rep,
+                                 "wall_s": round(time.time() - t, 1), **row})
+                    print(f"{name}: {row.get('to_first_step_s')} s to the end of step 1 ({row.get('cache')})",
+                          flush=True)
+    if args.importtime:
+        for code in codes:
+            proc = run(code, 1, out / f"cache-{code}-1", f"{code}-importtime", ("-X", "importtime"))
+            imports[code] = slowest_imports(proc.stderr)
+    if rows or imports:
+        (out / "startup.json").write_text(json.dumps({"rows": rows, "imports": imports}, indent=1) + "\n")
+        text = table(rows) if rows else ""
+        for code, top in imports.items():
+            text += f"\nslowest top-level imports ({code}, warm, 1 process): " + \
+                ", ".join(f"{name} {s:.2f} s" for name, s in top) + "\n"
+        (out / "startup.md").write_text(text)
+        print(text)
     return 1 if failed else 0
 
 

@@ -104,8 +104,12 @@ def train(
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
         return 0
+    # CUDA's driver starts on a thread while torch and the Trainer are imported (that import
+    # holds the interpreter; the driver's start does not need it): distlm/train/cuda_driver.py.
+    from distlm.train.cuda_driver import CudaDriverStart
+    driver = CudaDriverStart.for_run(cfg.train.device)
     from distlm.train.trainer import Trainer
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, background=(driver,) if driver is not None else ())
     summary = trainer.train()
     if trainer.dims.is_main and summary["stopped"]:
         print(f"stopped: {summary['stopped']}; checkpoint {summary['checkpoint']}; "

@@ -119,8 +119,39 @@ class CompileCache:
         hits, misses = cache_counters()
         kind = "warm" if hits and not misses else "cold" if misses and not hits else "partly warm" if hits else "none"
         where = str(self.folder) if self.folder is not None else "torch's default folder"
+        split = compiler_split()
+        said = "" if split is None else (
+            f"; in the compiler {split.total:.1f} s (tracing {split.tracing:.1f}, loading from the cache "
+            f"{split.loading:.1f}, compiling {split.compiling:.1f}), the rest {max(0.0, seconds - split.total):.1f} s")
         return (f"first step {seconds:.1f} s after set-up, compilation included; compile cache {kind}: "
-                f"{hits} graphs loaded, {misses} compiled ({where})")
+                f"{hits} graphs loaded, {misses} compiled ({where}){said}")
+
+
+@dataclass(frozen=True)
+class CompilerSplit:
+    """Where torch.compile's seconds went so far in this process, from torch's own timers
+    (torch._dynamo.utils.compilation_time_metrics): what a warm cache leaves to pay is
+    tracing (dynamo runs the Python of each graph again to check it and find its key) and
+    loading (the cached graph's code and kernels), not compiling."""
+    total: float      # dynamo's compile calls, plus backward graphs compiled when first needed
+    tracing: float    # dynamo's bytecode tracing
+    loading: float    # graphs taken from the AOTAutograd cache
+    compiling: float  # inductor compiling graphs it did not find
+
+
+# torch's timer names (torch 2.11-2.13); a name a later torch drops counts as 0
+_TIMERS = {"total": ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"),
+           "tracing": ("bytecode_tracing",), "loading": ("AOTAutogradCache.inductor_load",),
+           "compiling": ("compile_fx_inner",)}
+
+
+def compiler_split() -> Optional[CompilerSplit]:
+    """None when nothing was compiled (the compiler was never imported, or never ran)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    timers = getattr(utils, "compilation_time_metrics", None) if utils is not None else None
+    if not timers:
+        return None
+    return CompilerSplit(**{field: sum(sum(timers.get(name, ())) for name in names) for field, names in _TIMERS.items()})
 
 
 def cache_counters() -> tuple[int, int]:

@@ -94,9 +94,13 @@ class SetupClock:
         self.phases.append((name, now - self._last))
         self._last = now
 
-    def line(self) -> str:
+    def line(self, background: tuple[str, ...] = ()) -> str:
+        """``background``: work that ran beside the phases (a BackgroundImport's describe()),
+        said apart: its seconds overlap the phases' and are not in the total."""
         total = sum(s for _, s in self.phases)
         parts = ", ".join(f"{name} {s:.1f}" for name, s in self.phases)
+        if background:
+            parts += "; beside them: " + ", ".join(background)
         age = process_age_s()
         since = f"; {age:.1f} s since the process started" if age is not None else ""
         return f"set-up {total:.1f} s ({parts}){since}"

@@ -31,6 +31,7 @@ from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.compile_cache import CompileCache
+from distlm.train.cuda_driver import local_rank
 from distlm.train.fast_defaults import fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
@@ -45,16 +46,23 @@ from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import autocast_dtype, build_model
+from distlm.train.setup import autocast_dtype, build_model, start_compiler_import
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run"):
-        # torchrun sets LOCAL_RANK; horovodrun only HOROVOD_LOCAL_RANK (without it every Horovod
-        # rank took cuda:0 and NCCL refused: "ncclCommInitRank failed: invalid usage", 2x H200).
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", 0)))
+    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run",
+                 background: tuple = ()):
+        """``background``: work started before the Trainer that runs beside its set-up (the
+        train verb's CudaDriverStart), reported in the set-up line."""
         clock = SetupClock()
-        self.device = resolve_device(cfg.train.device, local_rank)
+        self.device = resolve_device(cfg.train.device, local_rank(os.environ))
+        # A compiled run on a GPU imports the compiler on a thread of its own from here on,
+        # beside the process group, CUDA's context, the data check and the memory check;
+        # build_model joins it (distlm/train/setup.py says where and why). The cache folder is
+        # set first: the compiler reads it from the environment.
+        compiles = cfg.train.compile if cfg.train.compile is not None else self.device.type == "cuda"  # fast_defaults' rule
+        self.compile_cache = CompileCache.open(cfg.train.compile_cache) if compiles else None
+        compiler = start_compiler_import(compiles, self.device)
         check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
         self.dims = dims or self.engine.init(cfg.parallel, self.device.type)
@@ -90,10 +98,10 @@ class Trainer:
         # built or any weight loaded (and before config.yaml is rewritten).
         check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
-        self.compile_cache = self._open_compile_cache()  # before anything is compiled
+        self._say_compile_cache()
         clock.lap("run folder")
         # four laps: compiler import, model plan, weights, data-parallel wrap
-        self.plan = build_model(cfg, self.dims, self.device, self.task, clock)
+        self.plan = build_model(cfg, self.dims, self.device, self.task, clock, compiler)
         self.model, self.gpt, self.stepper = self.plan.model, self.plan.module, self.plan.step
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         # train.on_nan: who decides whether a step with a NaN/Inf loss or gradient is taken, the
@@ -125,17 +133,17 @@ class Trainer:
         self.optimizer = self.engine.wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps, cfg.parallel)
         self._write_run_files()
         clock.lap("resume and run files")
-        self.setup_line = clock.line()  # printed by train(); compilation comes later, in the first step
+        # printed by train(); compilation comes later, in the first step
+        said = (b.describe() for b in (*background, compiler) if b is not None)
+        self.setup_line = clock.line(background=tuple(line for line in said if line))
 
     # ---- set-up -------------------------------------------------------------------
-    def _open_compile_cache(self) -> Optional[CompileCache]:
-        """Point torch's compile caches at train.compile_cache (None when nothing is compiled)."""
-        if not self.cfg.train.compile:
-            return None
-        cache = CompileCache.open(self.cfg.train.compile_cache)
-        if self.dims.is_main:
+    def _say_compile_cache(self) -> None:
+        """Where torch's compile caches go (train.compile_cache), said once the run folder is
+        checked (the folder was opened before the compiler's import started)."""
+        cache = self.compile_cache
+        if cache is not None and self.dims.is_main:
             print(cache.warning or cache.describe(), file=sys.stderr if cache.warning else sys.stdout, flush=True)
-        return cache
 
     def _agreed_seconds(self, seconds: float) -> float:
         if not self.dims.is_distributed:
