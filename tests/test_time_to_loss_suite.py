@@ -200,3 +200,9 @@ def test_startup_tool_reads_the_set_up_and_first_step_lines():
     assert startup.parse("no set-up here") is None
     md = startup.table([{"gpus": 1, "run": "warm", **row}])
     assert "| this | 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | - | 19.6 | 4 / 0 |")
+
+
+def test_nanogpt_bench_can_be_left_out():
+    runs = ["--runs", "nanogpt speedrun", "--nanogpt", "carry/nanogpt"]
+    assert plan(runs)[-1].name == "nanogpt-bench"
+    assert "nanogpt-bench" not in [s.name for s in plan([*runs, "--no-nanogpt-bench"])]

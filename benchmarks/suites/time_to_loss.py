@@ -91,6 +91,8 @@ def add_arguments(p) -> None:
     p.add_argument("--docs-corpus", metavar="FILE", help="a docs.jsonl from scripts/build_docs_corpus.py "
                                                          "(default: build it on this machine)")
     p.add_argument("--concurrent", action="store_true", help="one-GPU runs at once, one per GPU")
+    p.add_argument("--no-nanogpt-bench", action="store_true",
+                   help="leave out nanoGPT's bench.py (the step-speed reference --nanogpt adds)")
 
 
 def run_args(run: str, extra: list[str], cpu: bool) -> tuple[str, int, list[str], bool]:
@@ -237,7 +239,7 @@ def plan(args, ctx: Context) -> list[Step]:
         report = [ctx.python, "benchmarks/tools/speedrun_report.py", "{dir}", *specs]
         steps.append(Step("report" if corpus == "prose" else f"report-{corpus}", report, env=env,
                           result="speedrun-table.json"))
-    if args.nanogpt and not ctx.cpu:  # bench.py needs CUDA
+    if args.nanogpt and not ctx.cpu and not args.no_nanogpt_bench:  # bench.py needs CUDA
         steps.append(Step("nanogpt-bench", ["bash", "-c", 'cd "$0" && exec "$1" bench.py --real_data=False '
                                             '--compile=True --batch_size=12 --block_size=1024',
                                             args.nanogpt, ctx.python]))
