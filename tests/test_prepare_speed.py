@@ -247,3 +247,29 @@ def test_benchmark_sizes_each_run_by_its_workers(tmp_path, monkeypatch):
     assert len(passes) == 3 * 3  # each shape: before each of its 2 runs, and once after
     assert (work / "corpora" / "huge-txt-1MiB" / "00000.txt").stat().st_size >= 1 << 20
     assert "--mb-per-worker 1" in (tmp_path / "out" / "prepare_speed.md").read_text()
+
+
+def _one_file_units(tmp_path, name: str, data: str, target: int) -> list:
+    path = tmp_path / name
+    path.write_text(data)
+    return units.plan_units([(name, str(path), False)], None, target)
+
+
+@pytest.mark.parametrize("name, line", [("doc.txt", "word{} "), ("docs.jsonl", '{{"text": "document {}"}}\n')])
+def test_a_file_a_little_over_the_task_size_stays_one_task(tmp_path, name, line):
+    """1.3 x the task size: one task, not a full one and a sliver (and, for one document, a hash task)."""
+    data, i = "", 0
+    while len(data) < 13_000:
+        data, i = data + line.format(i), i + 1
+    assert [u.kind for u in _one_file_units(tmp_path, name, data, 10_000)] == ["files"]
+
+
+@pytest.mark.parametrize("name, line", [("doc.txt", "word{} "), ("docs.jsonl", '{{"text": "document {}"}}\n')])
+def test_a_big_file_is_cut_into_ranges_of_one_size(tmp_path, name, line):
+    """10.3 x the task size: 10 ranges within a few percent of each other, no short last one."""
+    data, i = "", 0
+    while len(data) < 103_000:
+        data, i = data + line.format(i), i + 1
+    sizes = [u.size for u in _one_file_units(tmp_path, name, data, 10_000) if u.kind != "hash"]
+    assert len(sizes) == 10 and sum(sizes) == len(data)
+    assert max(sizes) / min(sizes) < 1.01
