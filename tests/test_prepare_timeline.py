@@ -26,6 +26,7 @@ def test_summary_of_a_known_timeline():
     assert s["tail_s"] == 3.0 and s["finish_s"] == 1.0
     assert s["tasks"] == 3 and s["task_bytes"] == 6 and s["kinds"]["lines"]["max_s"] == 4.0
     assert "utilisation 0.55" in tl.report("x", s)
+    assert tl.chart(run, columns=10).splitlines()[:2] == ["  w0  | ### #### |", "  w1  |  ####    |"]
 
 
 @pytest.fixture
@@ -70,9 +71,10 @@ def test_timeline_adds_up_and_changes_no_byte(corpus, tmp_path, monkeypatch):
 def test_command_prints_the_profile(tmp_path, capsys):
     """The command as the results page gives it, scaled down: one row, a fresh process."""
     assert tl.main(["--rows", "huge-txt", "--workers", "2", "--mb-per-worker", "1.5", "--work", str(tmp_path / "w"),
-                    "--json", str(tmp_path / "t.json")]) == 0
+                    "--json", str(tmp_path / "t.json"), "--chart"]) == 0
     out = capsys.readouterr().out
     assert "huge-txt:" in out and "utilisation" in out and "parent CPU" in out
+    assert sum(line.startswith("  w") for line in out.splitlines()) == 2  # a chart line a worker
     s = json.loads((tmp_path / "t.json").read_text())["huge-txt"]
     assert s["kinds"]["hash"]["count"] == 1 and s["kinds"]["piece"]["count"] == 3
     assert not (tmp_path / "w").exists()

@@ -23,8 +23,13 @@ Printed, per row:
   the last task; finish: from the end of the last task to the return (the last appends, the
   fallbacks, closing shards, manifest, rename);
 - the tasks: count by kind, bytes, mean and longest;
-- the parent's CPU by part (cProfile of the main thread with ``time.thread_time``; the pool's
-  own threads, which unpickle results and feed the call queue, are the process CPU less it).
+- the parent's CPU by part (cProfile of the main thread with ``time.thread_time``, which adds
+  its own small cost to each call; the other threads are the process CPU less the main thread's:
+  the pool's, which unpickle results and feed the call queue, and OpenBLAS's, which numpy starts
+  at its import (the first encode, just before the workers fork) and which spin until the fork).
+  With 1 worker the tasks run in the parent: "handing out tasks" then holds the work itself.
+
+``--chart`` draws each worker's busy time over the call, one line a worker.
 
 Times come from CLOCK_BOOTTIME, one clock for every process; a worker process's start time is
 the kernel's (/proc/self/stat, 1/100 s steps). Linux only.
@@ -120,7 +125,7 @@ def profile_prepare(inputs: list[str], workers: int, out: Path, trace_dir: Path)
         if part:
             parts[part] = parts.get(part, 0.0) + cumulative
     parts["rest of the main thread"] = (main1 - main0) - sum(parts.values())
-    parts["the pool's threads (results, call queue)"] = (cpu1 - cpu0) - (main1 - main0)
+    parts["other threads (the pool's; OpenBLAS's from numpy's import)"] = (cpu1 - cpu0) - (main1 - main0)
     return {"workers": workers, "parent_pid": os.getpid(), "start": t0, "end": t1, "tasks": tasks, "parent_cpu": parts,
             "parent_cpu_s": cpu1 - cpu0, "input_bytes": sum(s["bytes"] for s in manifest["sources"]),
             "shards": [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"]]}
@@ -177,6 +182,26 @@ def report(name: str, s: dict) -> str:
     return "\n".join(lines)
 
 
+def chart(run: dict, columns: int = 60) -> str:
+    """One line per worker over the wall time: '#' busy for most of the column, '+' for part of it,
+    ' ' idle; 'H' where it hashes a one-document file (its pieces wait for that hash)."""
+    t0, wall = run["start"], run["end"] - run["start"]
+    step = wall / columns
+    by_pid: dict[int, list[dict]] = {}
+    for t in run["tasks"]:
+        by_pid.setdefault(t["pid"], []).append(t)
+    lines = []
+    for i, (_, tasks) in enumerate(sorted(by_pid.items(), key=lambda kv: min(t["start"] for t in kv[1]))):
+        cells = []
+        for c in range(columns):
+            a, b = t0 + c * step, t0 + (c + 1) * step
+            busy = sum(max(0.0, min(b, t["end"]) - max(a, t["start"])) for t in tasks)
+            hashing = any(t["kind"] == "hash" and t["start"] < b and t["end"] > a for t in tasks)
+            cells.append("H" if hashing else "#" if busy > step / 2 else "+" if busy > 0 else " ")
+        lines.append(f"  w{i:<3}|{''.join(cells)}|")
+    return "\n".join(lines + [f"      0 s{' ' * (columns - 8)}{wall:.1f} s"])
+
+
 def write_row(row: str, size: int, folder: Path, seed: int = 0) -> list[str]:
     """The corpus of ``row`` (see ROWS), ``size`` bytes, under ``folder/row``; its input paths."""
     from distlm.bench.prepare_speed import _Documents, _paragraphs_cached, _write_files
@@ -207,28 +232,36 @@ def _run_fresh(inputs: list[str], workers: int, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_timeline", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="huge-txt,small-files,jsonl", help=f"comma-separated, from {', '.join(ROWS)}")
-    ap.add_argument("--workers", type=int, default=None, help="worker count (default: every core)")
+    ap.add_argument("--workers", default=None, help="worker counts, comma-separated (default: every core)")
     ap.add_argument("--mb-per-worker", type=float, default=40.0, help="N x this many MiB of input a row")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "distlm-prepare-timeline",
                     help="folder for the corpora and the output (emptied first; default: %(default)s)")
+    ap.add_argument("--chart", action="store_true", help="also draw each worker's busy time over the wall time")
     ap.add_argument("--json", type=Path, default=None, help="also write every row's figures here")
     args = ap.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     for r in rows:
         if r not in ROWS:
             raise SystemExit(f"--rows: unknown row {r!r} (choose from {', '.join(ROWS)})")
-    workers = args.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    counts = [int(w) for w in args.workers.split(",")] if args.workers else [cores]
     from distlm.bench.prepare_speed import machine
     print(machine(), flush=True)
     shutil.rmtree(args.work, ignore_errors=True)
-    size, out = int(args.mb_per_worker * workers * (1 << 20)), {}
+    begun, out = time.perf_counter(), {}
     for row in rows:
-        t = time.perf_counter()
-        inputs = write_row(row, size, args.work / "corpora")
-        built = time.perf_counter() - t
-        out[row] = summarize(_run_fresh(inputs, workers, args.work))
-        print(f"(corpus written in {built:.1f} s)\n" + report(row, out[row]), flush=True)
-        shutil.rmtree(args.work / "corpora" / row, ignore_errors=True)
+        for workers in counts:
+            t = time.perf_counter()
+            inputs = write_row(row, int(args.mb_per_worker * workers * (1 << 20)), args.work / "corpora")
+            built = time.perf_counter() - t
+            run = _run_fresh(inputs, workers, args.work)
+            key = row if len(counts) == 1 else f"{row}@{workers}"
+            out[key] = summarize(run)
+            print(f"(corpus written in {built:.1f} s)\n" + report(row, out[key]), flush=True)
+            if args.chart:
+                print(chart(run), flush=True)
+            shutil.rmtree(args.work / "corpora" / row, ignore_errors=True)
+    print(f"done in {time.perf_counter() - begun:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     shutil.rmtree(args.work, ignore_errors=True)
