@@ -23,7 +23,7 @@ out ahead of the one being appended (memory and temporary disk do not grow with 
 the pieces of one huge document, whose split waits for its hash, are the exception: their
 token files wait on disk), shards are written as units finish, and the output is the same
 for any number of workers. The two fallbacks above need the whole corpus: they are applied at
-the end, by rewriting the shards from the one holding the moved tokens on.
+the end, by rewriting the shards from the first moved token on (the tokens before it stay in place).
 
 Resuming: the temporary folder keeps ``journal.jsonl``, a line after a finished unit about
 every second (input files done, shards closed, the open shard's length, counts, the
