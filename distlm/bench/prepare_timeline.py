@@ -146,13 +146,15 @@ def summarize(run: dict) -> dict:
         after += t1 - mine[-1]["end"]
     before += (n - len(by_pid)) * wall  # a worker that got no task idled throughout
     last_ends = [mine[-1]["end"] for mine in by_pid.values()]
-    starts = [t["process_start"] for t in tasks if t["process_start"] is not None and t["pid"] != run["parent_pid"]]
+    # The kernel's start times, where they fall in the call (a clock in another time namespace would not).
+    starts = [t["process_start"] for t in tasks if t["process_start"] is not None and t["pid"] != run["parent_pid"]
+              and t0 - 1 <= t["process_start"] <= t1]
     kinds: dict[str, list] = {}
     for t in tasks:
         kinds.setdefault(t["kind"], []).append(t["end"] - t["start"])
     return {
         "workers": n, "wall_s": wall, "input_mb": run["input_bytes"] / 1e6,
-        "workers_started_s": (max(starts) - t0) if starts else 0.0,
+        "workers_started_s": (max(starts) - t0) if starts else None,
         "all_busy_s": (max(mine[0]["start"] for mine in by_pid.values()) - t0) if len(by_pid) == n else wall,
         "busy_s": busy, "utilisation": busy / (n * wall),
         "idle_before_first_task_s": before, "idle_between_tasks_s": between, "idle_after_last_task_s": after,
@@ -167,7 +169,9 @@ def summarize(run: dict) -> dict:
 def report(name: str, s: dict) -> str:
     n, wall = s["workers"], s["wall_s"]
     lines = [f"{name}: {s['input_mb']:.0f} MB, {n} workers, wall {wall:.2f} s ({s['input_mb'] / wall:.1f} MB/s)",
-             f"  start-up: last worker process started at {s['workers_started_s']:.2f} s, every worker busy at "
+             f"  start-up: last worker process started at "
+             + ("n/a" if s["workers_started_s"] is None else f"{s['workers_started_s']:.2f} s")
+             + ", every worker busy at "
              f"{s['all_busy_s']:.2f} s",
              f"  utilisation {s['utilisation']:.2f}: busy {s['busy_s']:.1f} of {n * wall:.1f} worker-s; idle "
              f"{s['idle_before_first_task_s']:.1f} before the first task, {s['idle_between_tasks_s']:.1f} between "
