@@ -1,6 +1,7 @@
 """The parts of prepare that make it fast without changing a byte: hashing a huge one-document
 text file as bytes, the task size, and handing out a huge document's pieces while its hash runs."""
 import hashlib
+import json
 
 import pytest
 
@@ -247,3 +248,89 @@ def test_benchmark_sizes_each_run_by_its_workers(tmp_path, monkeypatch):
     assert len(passes) == 3 * 3  # each shape: before each of its 2 runs, and once after
     assert (work / "corpora" / "huge-txt-1MiB" / "00000.txt").stat().st_size >= 1 << 20
     assert "--mb-per-worker 1" in (tmp_path / "out" / "prepare_speed.md").read_text()
+
+
+def _one_file_units(tmp_path, name: str, data: str, target: int) -> list:
+    path = tmp_path / name
+    path.write_text(data)
+    return units.plan_units([(name, str(path), False)], None, target)
+
+
+@pytest.mark.parametrize("name, line", [("doc.txt", "word{} "), ("docs.jsonl", '{{"text": "document {}"}}\n')])
+def test_a_file_a_little_over_the_task_size_stays_one_task(tmp_path, name, line):
+    """1.3 x the task size: one task, not a full one and a sliver (and, for one document, a hash task)."""
+    data, i = "", 0
+    while len(data) < 13_000:
+        data, i = data + line.format(i), i + 1
+    assert [u.kind for u in _one_file_units(tmp_path, name, data, 10_000)] == ["files"]
+
+
+@pytest.mark.parametrize("name, line", [("doc.txt", "word{} "), ("docs.jsonl", '{{"text": "document {}"}}\n')])
+def test_a_big_file_is_cut_into_ranges_of_one_size(tmp_path, name, line):
+    """10.3 x the task size: 10 ranges within a few percent of each other, no short last one."""
+    data, i = "", 0
+    while len(data) < 103_000:
+        data, i = data + line.format(i), i + 1
+    sizes = [u.size for u in _one_file_units(tmp_path, name, data, 10_000) if u.kind != "hash"]
+    assert len(sizes) == 10 and sum(sizes) == len(data)
+    assert max(sizes) / min(sizes) < 1.01
+
+
+def _tokens(out, manifest, split: str) -> list:
+    import numpy as np
+    return np.concatenate([np.fromfile(out / s["file"], "<u2") for s in manifest["splits"][split]["shards"]]
+                          or [np.zeros(0, "<u2")]).tolist()
+
+
+@pytest.fixture
+def fed(monkeypatch):
+    """The token bytes the fallback routes anew (what it rereads, rewrites and syncs)."""
+    from distlm.corpus import shards
+    seen, real = [], shards.Router.feed
+
+    def spy(self, data):
+        seen.append(memoryview(data).nbytes)
+        return real(self, data)
+
+    monkeypatch.setattr(shards.Router, "feed", spy)
+    return seen
+
+
+def test_a_lone_document_moves_only_its_tail(tmp_path, fed):
+    """The lone document's last tenth goes to val; the rest stays where it was written (the shard
+    holding the cut is cut in place), instead of every token being copied anew."""
+    from distlm.data import tokenizer as tkz
+    from distlm.data import verify_shards
+    text = " ".join(f"word{i % 97}x{i % 13}" for i in range(3000))
+    (tmp_path / "doc.txt").write_text(text)
+    out = tmp_path / "out"
+    m = prep.prepare([str(tmp_path / "doc.txt")], out, workers=1, progress=False, val_fraction=0.1, shard_tokens=700)
+    assert m["split_method"] == "single-document-tail"
+    verify_shards(out, m)
+    want = tkz.gpt2().encode(text) + [tkz.gpt2().eos_id]
+    train, val = _tokens(out, m, "train"), _tokens(out, m, "val")
+    assert train + val == want and len(val) == round(len(want) * 0.1)
+    assert [s["tokens"] for s in m["splits"]["train"]["shards"][:-1]] == [700] * (len(train) // 700)
+    assert sum(fed) == 2 * len(val)
+
+
+def test_a_document_moved_to_val_leaves_the_tokens_before_it(tmp_path, fed):
+    """No document hashes to val: the lowest-key one moves there, from the middle of a split
+    written in many shards; only the tokens from it on are routed anew, and the tokens are where
+    rewriting the whole split put them."""
+    from distlm.corpus.split import seed_key, split_key
+    from distlm.data import tokenizer as tkz
+    from distlm.data import verify_shards
+    docs = [" ".join(f"w{(i * 7 + j) % 50}" for j in range(30 + i % 40)) for i in range(80)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    m = prep.prepare([str(tmp_path / "docs.jsonl")], out, workers=1, progress=False, val_fraction=1e-12,
+                     shard_tokens=500)
+    verify_shards(out, m)
+    tok = tkz.gpt2()
+    encoded = [tok.encode(d) + [tok.eos_id] for d in docs]
+    moved = min(range(len(docs)), key=lambda i: split_key(docs[i].encode(), seed_key(0)))
+    assert _tokens(out, m, "val") == encoded[moved]
+    assert _tokens(out, m, "train") == [t for i, e in enumerate(encoded) if i != moved for t in e]
+    after = sum(len(e) for e in encoded[moved:])
+    assert 0 < moved and sum(fed) == 2 * after

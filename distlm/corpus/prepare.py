@@ -23,7 +23,7 @@ out ahead of the one being appended (memory and temporary disk do not grow with 
 the pieces of one huge document, whose split waits for its hash, are the exception: their
 token files wait on disk), shards are written as units finish, and the output is the same
 for any number of workers. The two fallbacks above need the whole corpus: they are applied at
-the end, by rewriting the shards from the one holding the moved tokens on.
+the end, by rewriting the shards from the first moved token on (the tokens before it stay in place).
 
 Resuming: the temporary folder keeps ``journal.jsonl``, a line after a finished unit about
 every second (input files done, shards closed, the open shard's length, counts, the
@@ -66,6 +66,7 @@ from distlm.corpus.shards import Router, ShardWriter
 from distlm.corpus.shards import ShardWriter as _ShardWriter  # noqa: F401 (tests patch it here)
 from distlm.corpus.sources import input_files, plan_units, pretokenized_inputs, resolve_inputs, source_files
 from distlm.corpus.split import SPLITS, TRAIN, VAL, fallback
+from distlm.corpus.worker import encode_unit
 from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
                          same_tokenizer, shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
@@ -89,7 +90,8 @@ JOURNAL_SECONDS = 1.0
 
 def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fraction: float = 0.05,
             seed: int = 0, workers: int | None = None, separator: str | None = None, text_field: str = "text",
-            shard_tokens: int = 100_000_000, progress: bool = True, shard: str | tuple[int, int] | None = None) -> dict:
+            shard_tokens: int = 100_000_000, progress: bool = True, shard: str | tuple[int, int] | None = None,
+            encode=encode_unit) -> dict:
     """Tokenize ``inputs`` (see ``distlm.corpus.sources``) into ``out_dir``; returns the manifest.
 
     ``tokenizer``: "gpt2" or "bpe:N" (trained here on the train documents).
@@ -97,6 +99,9 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
     ``separator``: split each file into documents on this string.
     ``text_field``: the text column of JSONL / Parquet / Arrow inputs.
     ``shard``: "I/N" (or (I, N)): prepare only part I (from 0) of N, for ``merge``.
+    ``encode``: the function a worker runs for each unit, ``worker.encode_unit`` or a wrapper that
+    calls it with the same arguments and returns its result (``distlm.bench.prepare_timeline``
+    records when each unit ran); a module-level function or a partial of one, as workers get it by name.
     Raises DataError, naming the file, line or value, for anything wrong with them.
     """
     inputs, out_dir = [str(i) for i in inputs], Path(out_dir)
@@ -148,7 +153,7 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
         workers = workers or _default_workers(sum(n for j in chosen for _, n in per_source[j]))
         body = prepare_text(inputs, out_dir, tmp, options, units, len(files), header, resumed, workers, progress,
                             part, journal_seconds=JOURNAL_SECONDS, cache_chars=CACHE_CHARS,
-                            ahead_bytes=(2 * workers + 1) * TASK_CHARS)
+                            ahead_bytes=(2 * workers + 1) * TASK_CHARS, encode=encode)
         if part is not None:
             body["part"] = {"index": part[0], "count": part[1], "corpus_fingerprint": fingerprint,
                             **body.pop("candidates")}

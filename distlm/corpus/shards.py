@@ -92,20 +92,39 @@ class ShardWriter:
 
 
 def reroute(writers: list[ShardWriter], home: int, moves: list, aside: Path) -> None:
-    """Rewrite split ``home`` from the shard that holds the first moved token on, sending the
-    moved ranges to their split (empty until now, in every fallback)."""
+    """Rewrite split ``home`` from the first token that leaves it on, sending the moved ranges
+    to their split (empty until now, in every fallback).
+
+    The tokens before that one stay where they are: the shard that holds it is cut there in
+    place (its checksum recomputed by reading what is kept) and only what follows is routed.
+    A lone document's range that stays home, (0, cut, home), is no move: rewriting it would copy
+    and fsync the whole corpus's tokens again, one process, after every worker has finished."""
     w = writers[home]
-    first, s, pos = min(b for b, _, _ in moves), 0, 0
+    leaving = [b for b, e, d in moves if d != home and e > b]
+    if not leaving:  # a lone document of one token: it stays whole where it is
+        return
+    first, s, pos = min(leaving), 0, 0
     while s < len(w.shards) and pos + w.shards[s]["tokens"] <= first:
         pos += w.shards[s]["tokens"]
         s += 1
     aside.mkdir()
-    old = w.truncate(s)
+    keep = first - pos  # tokens of shard s that stay
+    old = w.truncate(s + (keep > 0))
     for shard in old:
         os.replace(w.dir / shard["file"], aside / shard["file"])
-    router = Router(writers, home, pos, moves)
-    for shard in old:
-        with open(aside / shard["file"], "rb") as fh:
+    tails = [aside / shard["file"] for shard in old]
+    if keep > 0:
+        kept = w.shards.pop()
+        tail = aside / f"{kept['file']}.tail"
+        with open(w.dir / kept["file"], "rb") as src, open(tail, "wb") as dst:
+            src.seek(keep * w.itemsize)
+            while block := src.read(COPY_BLOCK):
+                dst.write(block)
+        w.restore(w.shards, [kept["file"], keep])
+        tails.insert(0, tail)
+    router = Router(writers, home, first, moves)
+    for path in tails:
+        with open(path, "rb") as fh:
             while block := fh.read(COPY_BLOCK):
                 router.feed(block)
     for writer in writers:

@@ -76,7 +76,7 @@ def plan_units(files: list[tuple[str, str, bool]], separator: str | None, target
             n = os.stat(path).st_size
         except OSError as e:
             raise DataError(f"{label}: cannot read ({e.strerror})") from None
-        ranges = None if arrow or n <= target else _file_ranges(label, path, n, separator, target)
+        ranges = None if arrow or _pieces(n, target) == 1 else _file_ranges(label, path, n, separator, target)
         if ranges is None:
             if not group:
                 first = i
@@ -118,11 +118,20 @@ def _file_ranges(label: str, path: str, size: int, separator: str | None, target
     return units
 
 
+def _pieces(size: int, target: int) -> int:
+    """How many ranges a file of ``size`` bytes is cut into: ``size / target`` rounded, at least 1.
+    Rounded, not rounded up: a file a little over ``target`` stays one task instead of a full one
+    and a sliver (and, for one long document, a third task hashing it), and the ranges of a big
+    file are of one size, with no short last one."""
+    return max(1, (2 * size + target) // (2 * target))
+
+
 def _cuts(fh: BinaryIO, size: int, target: int, back: int, ahead: int, find) -> list[int]:
-    """Cut positions near every ``target`` bytes: for each, the first place at or after it
-    that ``find(window, i)`` accepts, looking at most ``target // 2`` bytes further on."""
+    """Cut positions near every ``size / _pieces(size, target)`` bytes: for each, the first place
+    at or after it that ``find(window, i)`` accepts, looking at most ``target // 2`` bytes further on."""
     cuts: list[int] = []
-    for goal in range(target, size, target):
+    pieces = _pieces(size, target)
+    for goal in (size * i // pieces for i in range(1, pieces)):
         pos, limit = max(goal, cuts[-1] + 1 if cuts else 0), min(size, goal + max(target // 2, 1))
         while pos < limit:
             base = max(0, pos - back)
