@@ -78,3 +78,12 @@ def test_command_prints_the_profile(tmp_path, capsys):
     s = json.loads((tmp_path / "t.json").read_text())["huge-txt"]
     assert s["kinds"]["hash"]["count"] == 1 and s["kinds"]["piece"]["count"] == 3
     assert not (tmp_path / "w").exists()
+
+
+def test_a_split_that_exceeds_the_main_thread_is_not_printed():
+    sane = {"appending shards (copy + sha256)": 0.4, "waiting for futures": 0.1, tl.REST: 0.05}
+    assert tl.split_text(sane).startswith("appending shards (copy + sha256) 0.40, waiting for futures 0.10")
+    # as measured on a 16-vCPU machine: parts in the hundreds of "seconds" against 2.2 s of main-thread CPU
+    broken = {"waiting for futures": 178.08, "appending shards (copy + sha256)": 108.86, tl.REST: -292.71}
+    text = tl.split_text(broken)
+    assert "not given" in text and "292.71" in text and "178.08" not in text
