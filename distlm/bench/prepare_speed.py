@@ -322,15 +322,18 @@ def _peak_rss_mb(usage) -> float:
         return usage.ru_maxrss / 1024
 
 
-def _run_in_fresh_process(inputs: list[str], workers: int, out: Path) -> dict:
-    code = ("import json, sys; from distlm.bench.prepare_speed import measure_one; "
-            "print('RESULT ' + json.dumps(measure_one(json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))")
+def in_fresh_process(target: str, *args) -> dict:
+    """``target`` ("module:function") called with ``args`` (JSON values) in a fresh Python process,
+    this checkout's distlm first on its path, so that each run's peak memory and imports are its own;
+    its JSON result."""
+    code = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
+            "print('RESULT ' + json.dumps(getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                         *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(inputs), str(workers), str(out)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, target, json.dumps(args)], env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
+        inputs, workers = args[0], args[1]
         raise SystemExit(f"prepare of {inputs[0]}... with {workers} workers failed:\n{proc.stderr[-2000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -401,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         refs, runs = [], []
         for w in counts:
             refs.append(reference_rate(pieces))  # just before the run: the machine as the run finds it
-            runs.append((w, _run_in_fresh_process(inputs[name][sizes[w]], w, work / "prepared")))
+            runs.append((w, in_fresh_process("distlm.bench.prepare_speed:measure_one", inputs[name][sizes[w]], w,
+                                               str(work / "prepared"))))
             print(f"  {name}, {w} workers: {runs[-1][1]['input_bytes'] / 1e6:.0f} MB in {runs[-1][1]['wall_s']:.1f} s; "
                   f"the 1-process reference just before: {refs[-1][0] / 1e6:.2f} MB/s", flush=True)
         refs.append(reference_rate(pieces))

@@ -42,7 +42,6 @@ import json
 import os
 import pstats
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -229,21 +228,12 @@ def write_row(row: str, size: int, folder: Path, seed: int = 0) -> list[str]:
         [str(path / "00000.jsonl")] if row == "huge-jsonl" else [str(path)]
 
 
-def _run_fresh(inputs: list[str], workers: int, work: Path) -> dict:
-    """``profile_prepare`` in a fresh process (this checkout's distlm first on its path)."""
-    code = ("import json, sys; from pathlib import Path; from distlm.bench.prepare_timeline import profile_prepare; "
-            "import distlm.corpus.prepare; "
-            "print('RESULT ' + json.dumps(profile_prepare(json.loads(sys.argv[1]), int(sys.argv[2]), "
-            "Path(sys.argv[3]) / 'out', Path(sys.argv[3]) / 'trace')))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(inputs), str(workers), str(work)], env=env,
-                          capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"prepare of {inputs[0]}... with {workers} workers failed:\n{proc.stderr[-2000:]}")
-    shutil.rmtree(work / "out", ignore_errors=True)
-    return json.loads(lines[-1][len("RESULT "):])
+def profile_in(inputs: list[str], workers: int, work: str) -> dict:
+    """``profile_prepare`` with its output and trace folders under ``work`` (JSON arguments, for
+    prepare_speed.in_fresh_process); the output is removed afterwards."""
+    run = profile_prepare(inputs, workers, Path(work) / "out", Path(work) / "trace")
+    shutil.rmtree(Path(work) / "out", ignore_errors=True)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--rows: unknown row {r!r} (choose from {', '.join(ROWS)})")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     counts = [int(w) for w in args.workers.split(",")] if args.workers else [cores]
-    from distlm.bench.prepare_speed import machine
+    from distlm.bench.prepare_speed import in_fresh_process, machine
     print(machine(), flush=True)
     shutil.rmtree(args.work, ignore_errors=True)
     begun, out = time.perf_counter(), {}
@@ -271,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             inputs = write_row(row, int(args.mb_per_worker * workers * (1 << 20)), args.work / "corpora")
             built = time.perf_counter() - t
-            run = _run_fresh(inputs, workers, args.work)
+            run = in_fresh_process("distlm.bench.prepare_timeline:profile_in", inputs, workers, str(args.work))
             key = row if len(counts) == 1 else f"{row}@{workers}"
             out[key] = summarize(run)
             print(f"(corpus written in {built:.1f} s)\n" + report(row, out[key]), flush=True)
