@@ -109,6 +109,10 @@ class TrainConfig:
     seed: int = 1337
     max_steps: int = 200
     global_batch_size: int = doc(32, "sequences per optimizer step, fixed whatever the world size")
+    min_local_batch: int = doc(0, "at least this many sequences a step on each data-parallel rank: where "
+                                  "global_batch_size would give fewer, the global batch grows to the data-parallel "
+                                  "degree x this, and max_steps, warmup_steps, eval_every and checkpoint_every "
+                                  "shrink by the same factor, so the run trains on the same tokens; 0 = off")
     micro_batch_size: Optional[int] = auto(help="sequences per forward pass per data-parallel rank; auto = the "
                                                 "largest divisor of the local batch that fits: on CUDA at most 64, "
                                                 "by the planner's memory estimate, on CPU at most 8")
@@ -552,7 +556,7 @@ _RANGES = {
     "train.lr": _above(0), "train.min_lr": _at_least(0), "train.beta1": _in_unit(False),
     "train.beta2": _in_unit(False), "train.eps": _above(0), "train.weight_decay": _at_least(0),
     "train.grad_clip": _at_least(0), "train.warmup_steps": _at_least(0), "train.keep_last": _at_least(0),
-    "train.eval_every": _at_least(0), "train.eval_batches": _at_least(0), "train.checkpoint_every": _at_least(0),
+    "train.eval_every": _at_least(0), "train.min_local_batch": _at_least(0), "train.eval_batches": _at_least(0), "train.checkpoint_every": _at_least(0),
     "train.time_limit_s": _at_least(0), "train.max_nan_skips": _at_least(0), "train.watchdog_s": _at_least(0),
     "train.stop_check_every": _at_least(1), "train.wsd_decay_fraction": _in_unit(True),
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),

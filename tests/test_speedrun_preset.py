@@ -12,9 +12,10 @@ H100 = Device("cuda", 79.0)
 @pytest.mark.parametrize("gpus, extra, micro", [
     (1, [], 32),
     (2, [], 16),
-    (4, [], 8),
-    (4, ["train.global_batch_size=64", "train.max_steps=300"], 16),  # the 4-GPU form of the recipe
-    (8, ["train.global_batch_size=64"], 8),
+    (4, [], 16),  # train.min_local_batch=16 grows the step to 64 sequences
+    (4, ["train.global_batch_size=64", "train.max_steps=300"], 16),  # the same, written out
+    (4, ["train.min_local_batch=0"], 8),
+    (8, ["train.global_batch_size=64"], 16),
 ])
 def test_the_preset_runs_on_any_gpu_count_without_a_micro_batch(gpus, extra, micro):
     overrides = [f"parallel.dp_replicate={gpus}"] if gpus > 1 else []

@@ -7,7 +7,8 @@ RUN is nanogpt (nanoGPT's own train.py from the --nanogpt checkout, through
 tools/nanogpt_recipe.py: its recipe, timed from its launch and scored over the whole val split),
 baseline (the same recipe through distlm), speedrun, or speedrun-NAME for an ablation (ABLATIONS
 below); RUN@ddpN or
-RUN@fsdpN runs it on N GPUs (the global batch stays, split evenly); RUN+warm runs RUN again on the
+RUN@fsdpN runs it on N GPUs (a run that sets its micro-batch keeps its global batch, split evenly;
+speedrun-124m's own rule, train.min_local_batch, gives 4 GPUs 64 sequences a step for 300 steps); RUN+warm runs RUN again on the
 compile cache RUN left (a repeated run on one machine). Every other run starts from an empty
 compile cache, so its time counts imports, set-up and compilation: each run is timed from its own
 process start. The corpus (Gutenberg + State of the Union + GCIDE, about 21M GPT-2 tokens) is laid
@@ -112,9 +113,12 @@ def run_args(run: str, extra: list[str], cpu: bool) -> tuple[str, int, list[str]
     given = [a.split("=", 1)[1] for a in args if a.startswith("train.global_batch_size=")]
     global_batch = int(given[-1]) if given else (64 if recipe == "baseline" else 32)
     nproc = int(n) if n else 1
-    if axis:  # the global batch stays; each GPU takes its share in one micro-batch
-        args += [f"parallel.{'dp_replicate' if axis == 'ddp' else 'dp_shard'}={nproc}",
-                 f"train.micro_batch_size={global_batch // nproc}"]
+    if axis:  # each GPU takes its share of the global batch
+        args.append(f"parallel.{'dp_replicate' if axis == 'ddp' else 'dp_shard'}={nproc}")
+        if any(a.startswith("train.micro_batch_size=") for a in args):
+            args.append(f"train.micro_batch_size={global_batch // nproc}")
+        # else the preset's own rule (train.min_local_batch) may grow the batch, and auto fits the
+        # micro-batch to what each GPU then holds
         if axis == "fsdp":
             args.append("train.compile_scope=block")
     return run.replace("@", "-at-").replace("+", "-"), nproc, args, bool(warm)

@@ -66,7 +66,7 @@ class Device:
 @dataclass(frozen=True)
 class Choice:
     cfg: Config                                  # every auto replaced by a value
-    chosen: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value, only what was auto
+    chosen: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value: the autos, and what min_local_batch changed
     estimate: Optional[Estimate] = None          # of the micro-batch chosen, on CUDA
     fits: bool = True                            # False: not even micro-batch 1 fits the estimate
     line: Optional[str] = None                   # what rank 0 prints; None when nothing was auto
@@ -76,6 +76,7 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
     """Each auto of ``cfg`` made a value for ``dev`` and the layout ``dims`` (a ParallelDims:
     a Layout, distlm/layout/, whose named questions decide, and its world_size):
 
+        train.global_batch_size  and the step counts, by train.min_local_batch (batch_for_layout)
         train.compile          on CUDA, off on CPU
         train.compile_scope    model (the whole forward one graph) on 1 GPU, DDP or Horovod;
                                block with FSDP2, TP or PP, which split the forward
@@ -86,9 +87,10 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
                                number of microbatches per stage where one fits); on CPU the
                                largest up to CPU_MICRO_CAP
     """
-    t, m = cfg.train, cfg.model
     cuda = dev.type == "cuda"
-    chosen: dict[str, Any] = {}
+    chosen: dict[str, Any] = batch_for_layout(cfg.train, dims.dp_size)
+    cfg = _with(cfg, chosen)
+    t, m = cfg.train, cfg.model
     if t.compile is None:
         chosen["train.compile"] = cuda
     if t.compile_scope is None:
@@ -103,6 +105,29 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
         chosen["train.micro_batch_size"] = micro
         cfg = _with(cfg, chosen)
     return Choice(cfg, chosen, est, fits, _line(chosen, dev, dims, est, fits) if chosen else None)
+
+
+def batch_for_layout(t, dp: int) -> dict[str, Any]:
+    """train.min_local_batch: the global batch and the step counts for ``dp`` data-parallel ranks.
+
+    Where global_batch_size / dp would give each rank fewer than min_local_batch sequences, the
+    global batch becomes dp x min_local_batch and the counts of steps (max_steps, warmup_steps,
+    eval_every, checkpoint_every) are divided by the same factor, rounded, at least 1 where they
+    were set: the run trains on as many tokens, in fewer, larger steps, with enough work on each
+    GPU. speedrun-124m holds 32 sequences a step: on 4 GPUs that is 8 a GPU, and its step ran at
+    11.0% MFU (511k tok/s on 4 x H100, 2026-11-27), where 16 a GPU ran at 0.94-1.05M tok/s
+    (docs/results/time-to-loss.md). Returns the changed fields, empty where nothing changes."""
+    want = dp * t.min_local_batch
+    if not t.min_local_batch or t.global_batch_size >= want:
+        return {}
+    factor = want / t.global_batch_size
+
+    def fewer(steps: int) -> int:
+        return max(1, round(steps / factor)) if steps else 0
+
+    return {"train.global_batch_size": want, "train.max_steps": fewer(t.max_steps),
+            "train.warmup_steps": fewer(t.warmup_steps), "train.eval_every": fewer(t.eval_every),
+            "train.checkpoint_every": fewer(t.checkpoint_every)}
 
 
 def fast_defaults(cfg: Config, device, dims, comm=None) -> Choice:

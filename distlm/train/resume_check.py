@@ -56,6 +56,9 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         "beta1", "beta2", "eps", "grad_clip", "schedule_clock",
         # Accumulation only: the same global batch in more or fewer forwards.
         "micro_batch_size",
+        # A rule that resolves into global_batch_size and the step counts; the global batch it
+        # gives is compared under MUST_MATCH.
+        "min_local_batch",
         # Evaluation, checkpoints, resume itself.
         "eval_every", "eval_batches", "eval_compile", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
