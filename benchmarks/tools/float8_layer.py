@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from distlm.config import load_config  # noqa: E402
+from distlm.bench.timing import median_seconds  # noqa: E402
 from distlm.model.float8 import E4M3, E5M2, RECIPES, float8_linear  # noqa: E402
 
 
@@ -37,31 +37,6 @@ def shapes(model: str, micro: int) -> list[tuple[str, int, int, int]]:
     M, d, f = micro * m.block_size, m.d_model, m.d_ff
     mlp_in = [("w_in", M, d, f)] + ([("w_gate", M, d, f)] if m.mlp == "swiglu" else [])
     return [("qkv", M, d, 3 * d), ("wo", M, d, d), *mlp_in, ("w_out", M, f, d)]
-
-
-def timer(device: torch.device):
-    if device.type == "cuda":
-        def run(fn, iters: int) -> float:
-            times = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            return statistics.median(times)
-    else:
-        import time
-
-        def run(fn, iters: int) -> float:
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-    return run
 
 
 def layer_step(forward, x, w, g):
@@ -106,7 +81,6 @@ def main(argv=None) -> int:
         print("error: no CUDA device; --cpu checks the plumbing on tiny shapes", file=sys.stderr)
         return 2
     device = torch.device("cpu" if cpu else "cuda")
-    run = timer(device)
     compile_ = (lambda f: f) if cpu else (lambda f: torch.compile(f, dynamic=False))
     todo = [("tiny", 64, 32, 48)] if cpu else shapes(args.model, args.micro)
     iters = 2 if cpu else args.iters
@@ -125,10 +99,10 @@ def main(argv=None) -> int:
         for key, fwd in variants.items():
             step = layer_step(fwd, x, w, g)
             step()  # compiles
-            row[key] = run(step, iters)
+            row[key] = median_seconds(step, device, iters)
         mm_step = matmuls_only(M, K, N, device, cpu)
         mm_step()
-        row["fp8_mm_only"] = run(mm_step, iters)
+        row["fp8_mm_only"] = median_seconds(mm_step, device, iters)
         row["tflops_bf16"] = 6 * M * K * N / row["bf16"] / 1e12
         rows.append(row)
     print(f"{args.model if not cpu else 'tiny (CPU, emulated)'}, micro-batch {args.micro}, "

@@ -12,26 +12,15 @@ are 8 x 1024 x 1600 activations: 26 MB in bf16, 52 MB in fp32. Run it under diff
 import argparse
 import json
 import os
-import statistics
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-def time_op(fn, warmup: int = 5, repeat: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from distlm.bench.timing import median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +45,7 @@ def main() -> None:
                 "all_reduce": (lambda: dist.all_reduce(whole), 2 * (n - 1) / n),
             }
             for op, (fn, factor) in ops.items():
-                s = time_op(fn)
+                s = median_seconds(fn, torch.device("cuda", torch.cuda.current_device()), repeats=20, warmup=5)
                 rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."), "mb": nbytes / 2**20,
                              "ms": 1e3 * s, "bus_gbps": factor * nbytes / s / 1e9})
     if rank == 0:

@@ -53,7 +53,8 @@ def use_code(code: Path) -> None:
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() over repeats, after two warm-up calls."""
+    """Median seconds of fn() over repeats, after two warm-up calls. Not distlm.bench.timing's:
+    with --before this runs against an older copy of distlm, which may not have it."""
     for _ in range(2):
         fn()
     times = []
