@@ -92,7 +92,7 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
     cfg = _with(cfg, chosen)
     t, m = cfg.train, cfg.model
     if t.compile is None:
-        chosen["train.compile"] = cuda
+        chosen["train.compile"] = compiles(t, dev.type)
     if t.compile_scope is None:
         chosen["train.compile_scope"] = "block" if dims.splits_forward else "model"
     if m.loss_chunk is None:
@@ -105,6 +105,11 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
         chosen["train.micro_batch_size"] = micro
         cfg = _with(cfg, chosen)
     return Choice(cfg, chosen, est, fits, _line(chosen, dev, dims, est, fits) if chosen else None)
+
+
+def compiles(t, device_type: str) -> bool:
+    """train.compile, or its auto: compiled on CUDA, eager elsewhere."""
+    return t.compile if t.compile is not None else device_type == "cuda"
 
 
 def batch_for_layout(t, dp: int) -> dict[str, Any]:

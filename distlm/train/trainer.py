@@ -32,7 +32,7 @@ from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.train.compile_cache import CompileCache
 from distlm.train.cuda_driver import local_rank
-from distlm.train.fast_defaults import fast_defaults
+from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
 from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
@@ -60,9 +60,9 @@ class Trainer:
         # beside the process group, CUDA's context, the data check and the memory check;
         # build_model joins it (distlm/train/setup.py says where and why). The cache folder is
         # set first: the compiler reads it from the environment.
-        compiles = cfg.train.compile if cfg.train.compile is not None else self.device.type == "cuda"  # fast_defaults' rule
-        self.compile_cache = CompileCache.open(cfg.train.compile_cache) if compiles else None
-        compiler = start_compiler_import(compiles, self.device)
+        compiled = compiles(cfg.train, self.device.type)  # decided before fast_defaults runs, by its rule
+        self.compile_cache = CompileCache.open(cfg.train.compile_cache) if compiled else None
+        compiler = start_compiler_import(compiled, self.device)
         check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
         self.dims = dims or self.engine.init(cfg.parallel, self.device.type)
