@@ -115,11 +115,6 @@ class DeviceSkip:
         if len(self._pending) >= self.MAX_PENDING:
             self.read()
 
-    @property
-    def unread(self) -> int:
-        """Steps whose verdict has not been read yet."""
-        return len(self._pending)
-
     def read(self) -> None:
         if not self._pending:
             return
