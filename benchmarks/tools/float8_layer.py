@@ -12,6 +12,8 @@ the attention output, the MLP's), compiled with torch.compile like a block:
                tensor cores' fast accumulation too (training keeps it off)
   fp8 mm only  the three torch._scaled_mm calls on operands already in float8 and in the layouts
                the kernel wants: the floor the casts, scales and transposes add to
+  torchao      torchao's float8 training layer (torchao.float8), tensorwise and rowwise, where torchao
+               is installed: the same layer from a library, for comparison ("-" where it is not)
 Times are CUDA-event medians over --iters calls after a warm-up. A float8 layer slower than
 "fp8 mm only" by more than the matmuls' saving over bf16 loses to bf16; the table says by how much.
 """
@@ -43,6 +45,27 @@ def layer_step(forward, x, w, g):
     def step():
         x.grad = w.grad = None
         forward(x, w).backward(g)
+    return step
+
+
+def torchao_layer(w: torch.Tensor, recipe: str):
+    """torchao's float8 training linear holding a copy of ``w``, or None without torchao."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype))
+    holder[0].weight = torch.nn.Parameter(w.detach().clone())
+    convert_to_float8_training(holder, config=Float8LinearConfig.from_recipe_name(recipe))
+    return holder
+
+
+def module_step(module, x, g):
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        module(x).backward(g)
     return step
 
 
@@ -100,6 +123,14 @@ def main(argv=None) -> int:
             step = layer_step(fwd, x, w, g)
             step()  # compiles
             row[key] = median_seconds(step, device, iters)
+        for recipe in ("tensorwise", "rowwise"):
+            layer = None if cpu else torchao_layer(w, recipe)
+            if layer is None:
+                row[f"torchao_{recipe}"] = None
+                continue
+            step = module_step(compile_(layer), x, g)
+            step()
+            row[f"torchao_{recipe}"] = median_seconds(step, device, iters)
         mm_step = matmuls_only(M, K, N, device, cpu)
         mm_step()
         row["fp8_mm_only"] = median_seconds(mm_step, device, iters)
@@ -107,14 +138,15 @@ def main(argv=None) -> int:
         rows.append(row)
     print(f"{args.model if not cpu else 'tiny (CPU, emulated)'}, micro-batch {args.micro}, "
           f"{torch.cuda.get_device_name() if not cpu else 'CPU'}, torch {torch.__version__}; ms per forward + backward")
-    keys = ("bf16", "tensorwise", "rowwise", "tensorwise_fast_grads", "fp8_mm_only")
+    keys = ("bf16", "tensorwise", "rowwise", "tensorwise_fast_grads", "fp8_mm_only", "torchao_tensorwise",
+            "torchao_rowwise")
     print("| layer | M x K x N | bf16 | tensorwise | rowwise | tensorwise, fast-accumulating gradients "
-          "| fp8 mm only | tensorwise × bf16 | casts etc. (tensorwise) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    total = {"layer": "block", "M": "", "K": "", "N": "", **{k: sum(r[k] for r in rows) for k in keys}}
+          "| fp8 mm only | torchao tensorwise | torchao rowwise | tensorwise × bf16 | casts etc. (tensorwise) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    total = {"layer": "block", "M": "", "K": "", "N": "", **{k: None if any(r[k] is None for r in rows) else sum(r[k] for r in rows) for k in keys}}
     for r in [*rows, total]:
         shape = f"{r['M']} x {r['K']} x {r['N']}" if r["M"] else ""
-        print(f"| {r['layer']} | {shape} | " + " | ".join(f"{1e3 * r[k]:.3f}" for k in keys)
+        print(f"| {r['layer']} | {shape} | " + " | ".join("-" if r[k] is None else f"{1e3 * r[k]:.3f}" for k in keys)
               + f" | {r['bf16'] / r['tensorwise']:.2f} | {1e3 * (r['tensorwise'] - r['fp8_mm_only']):.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "micro": args.micro, "rows": rows,
