@@ -109,6 +109,10 @@ def main(argv=None) -> int:
     iters = 2 if cpu else args.iters
     rows = []
     for name, M, K, N in todo:
+        # Every variant of every shape compiles float8_linear's frame again: past dynamo's
+        # recompile limit (8) the later ones would silently run eager. A fresh dynamo per shape
+        # keeps each variant compiled.
+        torch._dynamo.reset()
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16).requires_grad_()
         w = (0.02 * torch.randn(N, K, generator=gen)).to(device, torch.bfloat16).requires_grad_()
