@@ -127,7 +127,7 @@ def test_setup_and_done_lines_read_through_a_pipe(tmp_path):
     # under one "model" label) and its phases add up to the total it prints.
     setup = next(line for line in p.stdout.splitlines() if line.startswith("set-up "))
     phases = re.findall(r"([a-z][a-z -]+?) (\d+\.\d)(?=[,)])", setup.split("(", 1)[1])
-    assert [name for name, _ in phases] == ["device and process group", "config and data check", "memory check",
+    assert [name for name, _ in phases] == ["device and process group", "device mesh", "config and data check", "memory check",
                                              "run folder", "compiler import", "model plan", "weights",
                                              "data-parallel wrap", "optimizer and data loader",
                                              "resume and run files"], setup

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,16 @@ class ParallelDims(Layout):
 
         The mesh's sub-groups do not inherit the world group's timeout: without an
         explicit one they wait 30 min (gloo) or 10 min (NCCL) on a hang, and every
-        FSDP/DDP collective runs on a sub-group. So each axis gets the timeout too.
+        FSDP/DDP collective runs on a sub-group. So each axis gets the timeout too, except
+        one that spans every rank: it is given no options, so the mesh reuses the world
+        group, which has the timeout already. On GPUs each group the mesh makes is an NCCL
+        communicator split off the world's, a collective of its own at start-up.
         """
         from torch.distributed.device_mesh import init_device_mesh
         names = MESH_ORDER
         shape = tuple(getattr(self, n) for n in names)
         opts = _group_options(device_type, timeout_s)
-        override = {n: opts for n, k in zip(names, shape) if k > 1} if opts is not None else {}
+        override = {n: opts for n, k in zip(names, shape) if 1 < k < self.world_size} if opts is not None else {}
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
         self.dp_mesh = self._flatten(self.data_axes, "dp", self.dp_size, opts)
         self.loss_mesh = (self.dp_mesh if self.loss_axes == self.data_axes
@@ -85,7 +88,7 @@ class ParallelDims(Layout):
     def _flatten(self, axes: tuple[str, ...], name: str, size: int, opts):
         """The mesh dimensions ``axes`` as one (a collective on every rank: flattened in the
         same order everywhere, by build_mesh)."""
-        flat = {"backend_override": opts} if opts is not None and size > 1 else {}
+        flat = {"backend_override": opts} if opts is not None and 1 < size < self.world_size else {}
         return self.mesh[axes]._flatten(name, **flat)
 
 
@@ -113,8 +116,10 @@ def _attempt_store(world: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"distlm_attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
-    """Read torchrun's environment; start the process group with a short timeout."""
+def init_distributed(cfg: ParallelConfig, device_type: str, lap: Optional[Callable[[str], None]] = None) -> ParallelDims:
+    """Read torchrun's environment; start the process group with a short timeout, then build
+    the mesh. ``lap(name)``, where given, is called between the two, so a set-up clock can
+    tell the world group's start from the mesh's groups."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -129,5 +134,8 @@ def init_distributed(cfg: ParallelConfig, device_type: str) -> ParallelDims:
             dist.init_process_group(backend, timeout=timeout, store=store, rank=rank if store else -1,
                                     world_size=world if store else -1,
                                     device_id=torch.device("cuda", local_rank) if device_type == "cuda" else None)
+    if lap is not None:
+        lap("device and process group")
+    if world > 1:
         dims.build_mesh(device_type, cfg.timeout_s)
     return dims

@@ -26,9 +26,10 @@ T = TypeVar("T")
 class TorchEngine:
     name = "torch"
 
-    def init(self, pcfg: ParallelConfig, device_type: str):
+    def init(self, pcfg: ParallelConfig, device_type: str, lap: Callable[[str], None] = lambda name: None):
+        """The topology; ``lap("device and process group")`` once the world group is up, before the mesh."""
         from distlm.parallel.dims import init_distributed
-        return init_distributed(pcfg, device_type)
+        return init_distributed(pcfg, device_type, lap)
 
     def comm(self, dims):
         from distlm.parallel.comm import TorchComm
@@ -55,9 +56,11 @@ class TorchEngine:
 class HorovodEngine:
     name = "horovod"
 
-    def init(self, pcfg: ParallelConfig, device_type: str):
+    def init(self, pcfg: ParallelConfig, device_type: str, lap: Callable[[str], None] = lambda name: None):
         from distlm.parallel.horovod import init_horovod
-        return init_horovod(pcfg, device_type)
+        dims = init_horovod(pcfg, device_type)
+        lap("device and process group")  # Horovod has no mesh
+        return dims
 
     def comm(self, dims):
         from distlm.parallel.horovod import HorovodComm
