@@ -153,7 +153,8 @@ def main(argv=None) -> int:
           "| tensorwise, bf16 weight gradient | rowwise, bf16 weight gradient "
           "| fp8 mm only | torchao tensorwise | torchao rowwise | tensorwise × bf16 | casts etc. (tensorwise) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    total = {"layer": "block", "M": "", "K": "", "N": "", **{k: None if any(r[k] is None for r in rows) else sum(r[k] for r in rows) for k in keys}}
+    total = {"layer": "block", "M": "", "K": "", "N": "",
+             **{k: None if any(r[k] is None for r in rows) else sum(r[k] for r in rows) for k in keys}}
     for r in [*rows, total]:
         shape = f"{r['M']} x {r['K']} x {r['N']}" if r["M"] else ""
         print(f"| {r['layer']} | {shape} | " + " | ".join("-" if r[k] is None else f"{1e3 * r[k]:.3f}" for k in keys)

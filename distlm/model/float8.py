@@ -253,7 +253,8 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, float8={self.recipe.name}"
 
 
-def apply_float8(model: nn.Module, mode: str, emulate: bool = False, weight_grad: str = "float8") -> int:
+def apply_float8(model: nn.Module, mode: str, emulate: bool = False,
+                 weight_grad: str = "float8") -> int:
     """Swap every nn.Linear inside ``model.blocks`` for a Float8Linear (train.fp8=``mode``; "off"
     leaves the model as it is), whose weight gradient is in ``weight_grad`` (train.fp8_weight_grad:
     float8 or bf16). Applied to the plain model, before any parallel wrapper, on the meta device

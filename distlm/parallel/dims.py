@@ -116,7 +116,8 @@ def _attempt_store(world: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"distlm_attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init_distributed(cfg: ParallelConfig, device_type: str, lap: Optional[Callable[[str], None]] = None) -> ParallelDims:
+def init_distributed(cfg: ParallelConfig, device_type: str,
+                     lap: Optional[Callable[[str], None]] = None) -> ParallelDims:
     """Read torchrun's environment; start the process group with a short timeout, then build
     the mesh. ``lap(name)``, where given, is called between the two, so a set-up clock can
     tell the world group's start from the mesh's groups."""

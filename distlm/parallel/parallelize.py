@@ -72,7 +72,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     where it is applied (distlm/layout/__init__.py says how an axis is added).
     """
     pcfg = cfg.parallel
-    apply_float8(model, cfg.train.fp8, weight_grad=cfg.train.fp8_weight_grad)  # the blocks' linear layers, before any wrapper
+    # the blocks' linear layers, before any wrapper
+    apply_float8(model, cfg.train.fp8, weight_grad=cfg.train.fp8_weight_grad)
     parts = None
     hooks: list[BatchHook] = []
     if dims.pp > 1:
