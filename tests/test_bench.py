@@ -371,11 +371,8 @@ def test_float8_suite_runs_each_recipe_with_each_weight_gradient_beside_one_bf16
     train.fp8_weight_grad=bf16 and labelled RECIPE+bf16wgrad, the report told each label."""
     lines = dry_run(capsys, "float8", ["--gpus", "4", "--items", "speed", "--models", "gpt2-1.5b",
                                        "--weight-grads", "float8,bf16"])
-    runs = {}
-    for words in lines:
-        cmd = distlm_commands(words)
-        if cmd:
-            runs[tuple(sorted(o for o in cmd[3] if o.startswith("train.fp8")))] = cmd
+    runs = {tuple(sorted(o for o in cmd[3] if o.startswith("train.fp8"))): cmd
+            for cmd in filter(None, map(distlm_commands, lines))}
     assert set(runs) == {("train.fp8=off",), ("train.fp8=tensorwise",), ("train.fp8=rowwise",),
                          ("train.fp8=tensorwise", "train.fp8_weight_grad=bf16"),
                          ("train.fp8=rowwise", "train.fp8_weight_grad=bf16")}
