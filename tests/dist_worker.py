@@ -49,14 +49,7 @@ def inspect_model(trainer: Trainer) -> dict:
     axes = {n: _timeout_s(dims.mesh[n].get_group()) for n, k in
             zip(("dp_replicate", "dp_shard"), (dims.dp_replicate, dims.dp_shard)) if k > 1}
     axes["dp"] = _timeout_s(dims.dp_mesh.get_group())
-    world = torch.distributed.group.WORLD
-    # The process groups that exist, the world's included: on GPUs each of the mesh's is an
-    # NCCL communicator split at start-up.
-    groups = torch.distributed.distributed_c10d._world.pg_map
     return {
-        "world_reused": {n: dims.mesh[n].get_group() is world for n in ("dp_replicate", "dp_shard")}
-                        | {"dp": dims.dp_mesh.get_group() is world},
-        "process_groups": len(groups),
         "init_mismatched": mismatched,
         "n_params": len(ref_params),
         "tied": _tied(gpt),

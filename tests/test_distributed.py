@@ -219,19 +219,6 @@ def test_mesh_groups_get_the_short_timeout(four):
     assert four["hsdp"][0]["group_timeouts_s"] == {"dp_replicate": 60.0, "dp_shard": 60.0, "dp": 60.0}
 
 
-def test_an_axis_over_every_rank_reuses_the_world_group(four):
-    """Each group the mesh makes is, on GPUs, an NCCL communicator split off the world's at start-up.
-    An axis (or the flattened data axes) spanning all four ranks is the world group itself, which
-    has the short timeout already; the axes of 2 ranks get groups of their own."""
-    for layout, axis in (("fsdp4", "dp_shard"), ("ddp4", "dp_replicate")):
-        for r in four[layout]:
-            assert r["world_reused"][axis] and r["world_reused"]["dp"], (layout, r["world_reused"])
-    for r in four["hsdp"]:
-        assert r["world_reused"] == {"dp_replicate": False, "dp_shard": False, "dp": True}
-    # the world, the size-1 axes' groups and nothing for the axis over all ranks nor for "dp"
-    assert {r["process_groups"] for r in four["fsdp4"]} == {5}
-
-
 # ---- 2 ranks, resume across layouts ---------------------------------------------------
 @pytest.mark.parametrize("name", ["fsdp2", "ddp2", "fsdp2_offload"])
 def test_two_ranks_match_reference(root, reference, two, name):

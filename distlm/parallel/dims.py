@@ -59,16 +59,18 @@ class ParallelDims(Layout):
 
         The mesh's sub-groups do not inherit the world group's timeout: without an
         explicit one they wait 30 min (gloo) or 10 min (NCCL) on a hang, and every
-        FSDP/DDP collective runs on a sub-group. So each axis gets the timeout too, except
-        one that spans every rank: it is given no options, so the mesh reuses the world
-        group, which has the timeout already. On GPUs each group the mesh makes is an NCCL
-        communicator split off the world's, a collective of its own at start-up.
+        FSDP/DDP collective runs on a sub-group. So each axis gets the timeout too.
+
+        An axis that spans every rank could reuse the world group instead (no options given),
+        which on GPUs saves an NCCL communicator split at start-up. It is not done: DCP's
+        async save (train.async_checkpoint) runs its collectives on the world group from a
+        background thread, and DDP's and FSDP2's collectives must not interleave with them.
         """
         from torch.distributed.device_mesh import init_device_mesh
         names = MESH_ORDER
         shape = tuple(getattr(self, n) for n in names)
         opts = _group_options(device_type, timeout_s)
-        override = {n: opts for n, k in zip(names, shape) if 1 < k < self.world_size} if opts is not None else {}
+        override = {n: opts for n, k in zip(names, shape) if k > 1} if opts is not None else {}
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
         self.dp_mesh = self._flatten(self.data_axes, "dp", self.dp_size, opts)
         self.loss_mesh = (self.dp_mesh if self.loss_axes == self.data_axes
@@ -88,7 +90,7 @@ class ParallelDims(Layout):
     def _flatten(self, axes: tuple[str, ...], name: str, size: int, opts):
         """The mesh dimensions ``axes`` as one (a collective on every rank: flattened in the
         same order everywhere, by build_mesh)."""
-        flat = {"backend_override": opts} if opts is not None and 1 < size < self.world_size else {}
+        flat = {"backend_override": opts} if opts is not None and size > 1 else {}
         return self.mesh[axes]._flatten(name, **flat)
 
 

@@ -72,7 +72,7 @@ class Trainer:
         self.dims = dims
         self.comm = self.engine.comm(self.dims)
         # Apart from the process group: on GPUs each of the mesh's groups is an NCCL communicator
-        # split at start-up (4 GPUs, 2026-11-27: the two together took 4.6-6.0 s).
+        # split off the world's at start-up (4 GPUs, 2026-11-27: the two together took 4.6-6.0 s).
         clock.lap("device mesh")
         self.task = build_task(cfg)
         # The config is resolved against the data once, here, and frozen from then on.
