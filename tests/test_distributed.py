@@ -176,6 +176,9 @@ def two(root, four) -> dict:
                                                          f"train.resume={ckpt(root, 'ddp4')}")},
         {"name": "fsdp2_offload", "overrides": overrides(root, "fsdp2_offload", "parallel.dp_shard=2",
                                                          "parallel.cpu_offload=true")},
+        # Checkpoints written in the background, their collectives on a group of their own.
+        {"name": "fsdp2_async", "overrides": overrides(root, "fsdp2_async", "parallel.dp_shard=2",
+                                                       "train.async_checkpoint=true")},
         # Gradients averaged in bf16: close to the reference, but not equal to it.
         {"name": "ddp2_bf16", "overrides": overrides(root, "ddp2_bf16", "parallel.dp_replicate=2",
                                                      "parallel.grad_reduce_dtype=bf16")},
@@ -220,9 +223,21 @@ def test_mesh_groups_get_the_short_timeout(four):
 
 
 # ---- 2 ranks, resume across layouts ---------------------------------------------------
-@pytest.mark.parametrize("name", ["fsdp2", "ddp2", "fsdp2_offload"])
+@pytest.mark.parametrize("name", ["fsdp2", "ddp2", "fsdp2_offload", "fsdp2_async"])
 def test_two_ranks_match_reference(root, reference, two, name):
     assert_matches(root / name, reference)
+
+
+def test_background_saves_on_two_ranks_complete_and_hold_what_the_foreground_saves_hold(root, two):
+    """train.async_checkpoint on 2 ranks (DCP's collectives on a gloo group of their own): both
+    checkpoints complete and verify, and each holds the same tensors as the synchronous run's."""
+    from distlm.checkpoint.verify import verify_checkpoint
+    from fixture_digest import checkpoint_tensors
+    for step in (SAVE_AT, STEPS):
+        bg, fg = ckpt(root, "fsdp2_async", step), ckpt(root, "fsdp2", step)
+        verify_checkpoint(bg, collective=False)
+        a, b = ({k: v for k, v in checkpoint_tensors(c).items() if not k.startswith("rng/")} for c in (bg, fg))
+        assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
 
 
 @pytest.mark.parametrize("name", ["ddp2_bf16", "fsdp2_bf16"])

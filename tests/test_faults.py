@@ -377,6 +377,35 @@ def test_async_checkpoint_holds_the_state_at_the_save(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), at_save[fh.step_of(p)])), p.name
 
 
+def test_background_saves_run_their_collectives_on_a_gloo_group_of_their_own(tmp_path, monkeypatch):
+    """Under torch.distributed, dcp.async_save gets a gloo group made for it, not the world
+    group: its collectives run from a thread of their own and must not interleave with the
+    training's, and on GPUs the world group is NCCL, which async_save refuses. One process
+    in a real gloo world checks the plumbing; tests/test_distributed.py's fsdp2_async job runs
+    background saves on 2 ranks against one process."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from distlm.checkpoint.group import background_save_group
+    assert background_save_group(60) is None  # one process, no process group: nothing to make
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        used, real = [], dcp.async_save
+        monkeypatch.setattr(dcp, "async_save", lambda *a, **k: used.append(k.get("process_group")) or real(*a, **k))
+        t = make_trainer(tmp_path, "bg", "train.max_steps=4", "train.checkpoint_every=2", "train.async_checkpoint=true")
+        group = t.background_save_group
+        assert group is not None and group is not dist.group.WORLD and dist.get_backend(group) == "gloo"
+        t.train()
+        assert used == [group, group]
+        complete, torn = fh.checkpoints(tmp_path / "bg")
+        assert [fh.step_of(p) for p in complete] == [2, 4] and not torn
+        model, opt = fh.fresh_model_and_optimizer(fh.CLI_TINY)
+        with pytest.raises(ValueError, match="needs a background_group"):
+            ckpt.save_checkpoint(tmp_path / "x", 1, model, opt, {}, async_save=True)
+        assert not (tmp_path / "x").exists()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(3600)  # dozens of launches: slow, not stuck, on a loaded box
 def test_async_checkpoint_kill9_resumes_bit_exact(reference, summary_file, tmp_path):

@@ -2,6 +2,7 @@
 and agreeing on a failure so that no rank is left waiting in the next collective."""
 from __future__ import annotations
 
+import datetime
 from typing import Optional
 
 import torch
@@ -46,3 +47,16 @@ def _agree(error: Optional[BaseException], what: str) -> None:
             raise error
         raise CheckpointSaveError(f"{what}: failed on another rank (its output names the cause)",
                                   "failed on another rank")
+
+
+def background_save_group(timeout_s: float) -> Optional[dist.ProcessGroup]:
+    """A gloo group of every rank for DCP's background saves (train.async_checkpoint), or None
+    on one process. Collective: every rank makes it, at the same point of the set-up.
+
+    dcp.async_save runs its collectives from a thread of its own while training goes on. On
+    the world group they would interleave with the training's (the stop check's, the loss's),
+    in an order that need not be the same on every rank; and it refuses a group without a CPU
+    backend, which a GPU run's NCCL world group is."""
+    if not _distributed():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
 from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
-from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
+from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world, background_save_group  # noqa: F401
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
 from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
                                      verify_files)
@@ -104,15 +104,19 @@ def _as_save_error(e: BaseException, final: Path) -> CheckpointSaveError:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, async_save: bool = False,
-                    memo: Optional[VerifiedFiles] = None):
+                    memo: Optional[VerifiedFiles] = None, background_group: Optional[dist.ProcessGroup] = None):
     """Collective: every rank calls it. Returns the final folder, or (async_save) a
     PendingSave whose ``finish()`` must be called (also collectively) before the
     checkpoint counts: until then it is a ``.tmp-step_*`` folder that resume skips.
     ``memo`` remembers the files as verified (their checksums were just computed).
+    ``background_group``: the group an async save's collectives run on (group.background_save_group;
+    required when several processes save in the background).
 
     Any failure is a CheckpointSaveError (NonFiniteCheckpoint for NaN/Inf weights, found
     before anything is written), raised on every rank, with the temp folder removed and
     every earlier checkpoint untouched. KeyboardInterrupt and SystemExit pass through."""
+    if async_save and background_group is None and _distributed():
+        raise ValueError("save_checkpoint: a background save of several processes needs a background_group")
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:07d}"
     tmp = ckpt_root / f".tmp-step_{step:07d}"
@@ -146,7 +150,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         if async_save:
             # async_save copies the state to host memory before returning; the files are
             # written by a background thread while training goes on.
-            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                    process_group=background_group)
             return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)

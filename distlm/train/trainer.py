@@ -71,6 +71,9 @@ class Trainer:
             clock.lap("device and process group")
         self.dims = dims
         self.comm = self.engine.comm(self.dims)
+        # Background saves get a group of their own (distlm/checkpoint/group.py says why).
+        self.background_save_group = (ckpt.background_save_group(cfg.parallel.timeout_s)
+                                      if cfg.train.async_checkpoint else None)
         # Apart from the process group: on GPUs each of the mesh's groups is an NCCL communicator
         # split off the world's at start-up (4 GPUs, 2026-11-27: the two together took 4.6-6.0 s).
         clock.lap("device mesh")
@@ -308,7 +311,7 @@ class Trainer:
         def write(async_allowed: bool):
             return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
                                         async_save=self.cfg.train.async_checkpoint and async_allowed,
-                                        memo=self.verified)
+                                        memo=self.verified, background_group=self.background_save_group)
 
         try:
             saved = self.engine.save(self.dims, self.comm, write, skipped=lambda: root / f"step_{self.step:07d}")
