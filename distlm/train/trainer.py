@@ -30,6 +30,7 @@ from distlm.optim import spec_for
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
+from distlm.checkpoint.group import background_save_group
 from distlm.train.compile_cache import CompileCache
 from distlm.train.cuda_driver import local_rank
 from distlm.train.fast_defaults import compiles, fast_defaults
@@ -72,7 +73,7 @@ class Trainer:
         self.dims = dims
         self.comm = self.engine.comm(self.dims)
         # Background saves get a group of their own (distlm/checkpoint/group.py says why).
-        self.background_save_group = (ckpt.background_save_group(cfg.parallel.timeout_s)
+        self.background_save_group = (background_save_group(cfg.parallel.timeout_s)
                                       if cfg.train.async_checkpoint else None)
         # Apart from the process group: on GPUs each of the mesh's groups is an NCCL communicator
         # split off the world's at start-up (4 GPUs, 2026-11-27: the two together took 4.6-6.0 s).
