@@ -191,6 +191,9 @@ def test_every_suite_plans_commands_that_distlm_accepts(suite, capsys):
             if cmd is None or cmd[0] not in ("train", "bench") or cmd[2] is None:
                 continue
             verb, procs, config, overrides = cmd
+            if verb == "train":  # a training run reads data: a prepared folder, a mixture or synthetic tokens
+                assert any(o.startswith(("data.dir=", "data.mix=", "data.source=synthetic")) for o in overrides), \
+                    (suite, words)
             cfg = load_config(config, [o for o in overrides if not o.startswith(("train.resume=", "data.dir="))])
             p = cfg.parallel
             if "--scaling" not in words and "parallel.engine=horovod" not in overrides:
@@ -287,17 +290,25 @@ def test_the_memory_suite_runs_every_registered_optimizer_and_compares_planned_w
     assert "-20.0%" in memory_report.table(memory_report.rows([folder]))  # (planned - measured) / measured
 
 
-def test_the_context_suite_runs_a_split_row_on_the_cpu(tmp_path):
-    """The context suite's plumbing: one row split over 2 processes (gloo) through `distlm bench`."""
+def test_the_context_suite_runs_a_split_row_and_its_loss_curves_on_the_cpu(tmp_path):
+    """The context suite's plumbing: one row split over 2 processes (gloo) through `distlm bench`,
+    then the loss curves: the bundled books prepared, one process against cp=2 on the same
+    batches, step by step equal in fp32."""
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "benchmarks/run.py", "context", "--cpu", "--out", str(out), "--sizes", "2",
-                           "--contexts", "8192", "--large", "none", "--warmup", "1", "--steps", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                           "--contexts", "8192", "--large", "none", "--warmup", "1", "--steps", "2",
+                           "--loss-curves", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (record,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert record["suite"] == "context" and record["step"] == "cp2-8k" and record["rc"] == 0, record
+    records = {r["step"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert list(records) == ["cp2-8k", "corpus", "curve-one", "curve-cp2", "curve-compare"]
+    assert all(r["rc"] == 0 for r in records.values()), records
+    record = records["cp2-8k"]
+    assert record["suite"] == "context"
     assert "parallel.cp=2" in record["command"] and "--nproc_per_node=2" in record["command"]
     assert record["result"]["tokens_per_s"] > 0 and record["result"]["layout"]["cp"] == 2
+    curves = records["curve-compare"]["result"]
+    assert curves["steps"] == 3 and curves["max_abs_diff"] < 1e-4, curves
+    assert curves["val_a"] == pytest.approx(curves["val_b"], abs=1e-4)
 
 
 def test_time_to_loss_report_reads_the_suites_run_folders(tmp_path):

@@ -33,3 +33,25 @@ def add_common(p, config: str, warmup: int, steps: int) -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra config overrides for every run")
     p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps (default {warmup})")
     p.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps})")
+
+
+# The books distlm ships (distlm/assets/gutenberg), which the loss-curve steps train on: real text
+# that every machine has, so a curve needs no corpus carried to the GPU machine.
+BUNDLED_BOOKS = "distlm/assets/gutenberg/gutenberg.tar.xz"
+# Under --cpu the tiny model has a 256-row token table; its corpus gets a 512-token BPE and the
+# model a table to match (GPT-2's 50k vocabulary would make a tiny model all table).
+CPU_VOCAB = 512
+
+
+def bundled_corpus(ctx, name: str = "corpus") -> tuple:
+    """The step that prepares the bundled books (GPT-2's tokenizer on GPUs), and the overrides a
+    training command on them takes: its data.dir, and under --cpu the vocabulary after the tiny
+    model's. Append the overrides after ctx.tiny(...) so they win."""
+    from run import Step
+    tokenizer = f"bpe:{CPU_VOCAB}" if ctx.cpu else "gpt2"
+    step = Step(name, [ctx.python, "-m", "distlm", "prepare", BUNDLED_BOOKS, "--out", "{dir}/data",
+                       "--tokenizer", tokenizer, "--quiet"])
+    overrides = [f"data.dir={{out}}/{{stamp}}-{name}/data"]
+    if ctx.cpu:
+        overrides.append(f"model.vocab_size={CPU_VOCAB}")
+    return step, overrides

@@ -14,13 +14,14 @@ The default model is llama-124m (rotary positions: GPT-2's learned table would n
 position, 100M parameters at 128k). --large CONFIG@T runs CONFIG at T tokens on all GPUs
 (gpt2-1.5b at 16k: parallel.cp=4, and beside it FSDP2 over 4 GPUs with a whole row each).
 --loss-curves STEPS trains the model at --curve-context tokens on one GPU and on all GPUs
-(parallel.cp=gpus) on the same global batches of the bundled corpus and compares the losses
-step by step (benchmarks/tools/compare_curves.py).
+(parallel.cp=gpus) on the same global batches of the bundled Gutenberg books (prepared by the
+suite's corpus step, GPT-2's tokenizer) and compares the losses step by step
+(benchmarks/tools/compare_curves.py). `--contexts ""` runs the curves alone.
 """
 from __future__ import annotations
 
 from run import Context, Step
-from suites import add_common, int_list
+from suites import add_common, bundled_corpus, int_list
 
 FAST = ["train.compile=true", "model.loss_chunk=8192"]
 
@@ -68,9 +69,11 @@ def plan(args, ctx: Context) -> list[Step]:
                  f"train.max_steps={args.loss_curves}", "train.global_batch_size=8", "train.micro_batch_size=1",
                  "train.eval_every=100", "train.eval_batches=8", "log.every=1", "log.progress=false",
                  "log.tensorboard=false", "log.samples=0", "train.on_nan=off", "log.root={out}", *FAST, *args.set]
-        steps.append(Step("curve-one", ctx.distlm(ctx.tiny(train + ["log.name={stamp}-one"]))))
+        corpus, data = bundled_corpus(ctx)
+        steps.append(corpus)
+        steps.append(Step("curve-one", ctx.distlm(ctx.tiny(train + ["log.name={stamp}-one"]) + data)))
         steps.append(Step(f"curve-cp{n}", ctx.distlm(ctx.tiny(train + [f"log.name={{stamp}}-cp{n}",
-                                                                       f"parallel.cp={n}"]), n)))
+                                                                       f"parallel.cp={n}"]) + data, n)))
         steps.append(Step("curve-compare", [ctx.python, "benchmarks/tools/compare_curves.py", "{out}/{stamp}-one",
                                             f"{{out}}/{{stamp}}-cp{n}", "--plot", "{dir}/curves.png",
                                             "--json", "{dir}/result.json"]))

@@ -10,12 +10,13 @@ the speed page compares (compile per block or whole model, micro-batch 32 and 64
 `git archive` of an older commit) first, so a before/after pair shares one machine (profiled
 alike with --profile), and a last step tables each pair (benchmarks/tools/compare_bench.py).
 --loss-curves STEPS trains the plain path (eager, whole logits) and the fast path (whole-model
-compile, chunked loss) on the bundled corpus for STEPS steps and compares the losses step by step.
+compile, chunked loss) on the bundled Gutenberg books (prepared by the suite's corpus step) for STEPS
+steps and compares the losses step by step.
 """
 from __future__ import annotations
 
 from run import Context, Step
-from suites import add_common, layout
+from suites import add_common, bundled_corpus, layout
 
 DEFAULT_VARIANTS = ("block-m16=train.compile_scope=block train.micro_batch_size=16;"
                     "model-m32=train.compile_scope=model train.micro_batch_size=32;"
@@ -74,11 +75,13 @@ def plan(args, ctx: Context) -> list[Step]:
         train = ["train", "--config", args.config, f"train.max_steps={args.loss_curves}", "train.global_batch_size=32",
                  "train.micro_batch_size=16", "train.eval_every=100", "train.eval_batches=10", "log.every=1",
                  "log.progress=false", "log.tensorboard=false", "train.on_nan=off", "log.root={out}", *args.set]
+        corpus, data = bundled_corpus(ctx)
+        steps.append(corpus)
         steps.append(Step("curve-plain", ctx.distlm(ctx.tiny(train + ["log.name={stamp}-plain", "train.compile=false",
-                                                                      "model.loss_chunk=0"]))))
+                                                                      "model.loss_chunk=0"]) + data)))
         steps.append(Step("curve-fast", ctx.distlm(ctx.tiny(train + ["log.name={stamp}-fast", "train.compile=true",
                                                                      "train.compile_scope=model",
-                                                                     "model.loss_chunk=8192"]))))
+                                                                     "model.loss_chunk=8192"]) + data)))
         steps.append(Step("curve-compare", [ctx.python, "benchmarks/tools/compare_curves.py", "{out}/{stamp}-plain",
                                             "{out}/{stamp}-fast", "--plot", "{dir}/curves.png",
                                             "--json", "{dir}/result.json"]))
