@@ -87,3 +87,29 @@ def test_context_split_attention_matches_whole_rows_in_bf16_on_cuda():
     for cp in (2, 4):
         got, want = sharded_against_whole(cp, None, 0, device="cuda", dtype=torch.bfloat16)
         assert (got - want).norm() / want.norm() < 1e-2, cp
+
+
+def test_weights_are_drawn_on_the_gpu_the_same_each_time_at_the_stated_scale():
+    """init_weights draws on the device holding the parameters: a second model from the same
+    seed is equal, another seed is not, and the draws follow the stated init (N(0, 0.02),
+    residual projections 1/sqrt(2L) of that, zero biases, unit norms)."""
+    cfg = ModelConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, block_size=64, vocab_size=4096, bias=True)
+
+    def drawn(seed):
+        with torch.device("meta"):
+            m = GPT(cfg)
+        m.to_empty(device="cuda")
+        m.init_weights(seed, torch.device("cuda"))
+        return dict(m.named_parameters())
+
+    a, b, c = drawn(3), drawn(3), drawn(4)
+    assert all(p.device.type == "cuda" for p in a.values())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    wq = next(n for n in a if n.endswith("weight") and a[n].dim() == 2 and "emb" not in n and "wo" not in n
+              and "w_out" not in n)
+    assert not torch.equal(a[wq], c[wq])
+    assert a[wq].float().std().item() == pytest.approx(0.02, rel=0.05) and abs(a[wq].float().mean().item()) < 1e-3
+    wo = next(n for n in a if n.endswith("wo.weight"))
+    assert a[wo].float().std().item() == pytest.approx(0.02 / (2 * cfg.n_layer) ** 0.5, rel=0.05)
+    assert all(not a[n].any() for n in a if n.endswith("bias"))
+    assert all(bool((a[n] == 1).all()) for n in a if n.endswith("norm.weight"))

@@ -324,7 +324,15 @@ class GPT(nn.Module):
         process, under DDP, FSDP2 or TP, which is what lets those layouts be compared to a
         single-process reference. Only one parameter at a time is ever whole. Called after
         ``to_empty`` when the model was built on the meta device. ``threads``: parameters
-        drawn at once (default: up to 8, as many as there are cores).
+        drawn at once on the CPU (default: up to 8, as many as there are cores).
+
+        The numbers are drawn where the parameters live. On a GPU that takes milliseconds
+        where the CPU took seconds (gpt2-1.5b's 1.6B numbers: 7.6 s of a 2-GPU run's set-up),
+        and the model is still the same on every layout of one kind of GPU. It is not the
+        model a CPU run draws from the same seed: a GPU's generator is another stream (and
+        its draws depend on how many multiprocessors share the work), so only runs on one
+        kind of device start equal. A model whose shards are offloaded to host memory draws
+        on the CPU.
         """
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layer)
@@ -332,20 +340,24 @@ class GPT(nn.Module):
 
         def whole(name: str, p: torch.Tensor) -> torch.Tensor:
             leaf = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+            on = _local(p).device
             if leaf.endswith("bias") or (self.cfg.zero_init_proj and leaf.endswith(resid_proj)):
-                return torch.zeros(p.shape)
+                return torch.zeros(p.shape, device=on)
             if leaf.endswith(("norm.weight", ".scale")):
-                return torch.ones(p.shape)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(leaf.encode()))
+                return torch.ones(p.shape, device=on)
+            gen = torch.Generator(device=on).manual_seed(seed * 1_000_003 + zlib.crc32(leaf.encode()))
             s = resid_std if leaf.endswith(resid_proj) else std
-            return torch.empty(p.shape).normal_(0.0, s, generator=gen)
+            return torch.empty(p.shape, device=on).normal_(0.0, s, generator=gen)
 
         # Each parameter has its own generator, so drawing several at once (torch releases
         # the GIL) gives the same tensors as one at a time, in a fraction of the start-up:
-        # one thread draws about 170M numbers a second, and speedrun-124m has 278M parameters,
-        # llama-7b 6.7B. At most `threads` parameters are whole at any moment.
-        threads = threads or min(8, os.cpu_count() or 1)
+        # one CPU thread draws about 170M numbers a second, and speedrun-124m has 278M
+        # parameters, llama-7b 6.7B. At most `threads` parameters are whole at any moment.
+        # On a GPU one thread queues the draws and the device runs them: threads would only
+        # hold more parameters whole at once.
         params = list(self.named_parameters())
+        on_cpu = all(_local(p).device.type == "cpu" for _, p in params)
+        threads = (threads or min(8, os.cpu_count() or 1)) if on_cpu else 1
         with ThreadPoolExecutor(threads) as pool:
             for start in range(0, len(params), threads):
                 chunk = params[start:start + threads]
@@ -487,6 +499,11 @@ def count_params(cfg: ModelConfig, non_embedding: bool = True) -> int:
     """num_params of the whole model, built on the meta device (a pipeline rank holds a part)."""
     with torch.device("meta"):
         return GPT(cfg).num_params(non_embedding)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's own tensor: its local shard when it is a DTensor."""
+    return p.to_local() if hasattr(p, "device_mesh") else p
 
 
 def _copy_shard(p: torch.Tensor, full: torch.Tensor) -> None:
