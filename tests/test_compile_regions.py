@@ -149,3 +149,53 @@ def test_regions_only_where_the_options_add_work_and_not_under_tensor_parallelis
     assert set(REGIONS) <= set(plain.compiled_regions) and set(REGIONS) <= set(vars(plain))
     assert not set(REGIONS) & set(vars(tp))
     assert gpt2.compiled_regions == () and not set(REGIONS) & set(vars(gpt2))
+
+
+def test_ddp_leaves_each_compiled_block_one_graph(tmp_path):
+    """Under DDP, dynamo would cut each compiled block's graph at the edges of DDP's gradient
+    buckets: more graphs to compile cold and to load warm. The plan's compute context for DDP
+    with per-block compile turns the cuts off (parallelize.compiler_settings), so the model
+    compiles as many graphs as without DDP, and gives the same loss and gradients. DDP here runs
+    on a one-process gloo world, which is enough for dynamo to see it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distlm.parallel.parallelize import compiler_settings
+    from distlm.parallel.plan import compute_context
+    from distlm.train.compile_cache import cache_counters
+
+    # Blocks of 3 MB of fp32 gradients: past DDP's 1 MB first bucket, where the first cut falls.
+    wide = SMALL + ["model.d_model=256", "model.d_ff=1024", "model.n_head=4"]
+
+    def graphs_and_result(wrap, settings):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(load_config("speedrun-124m", wide).model).train()
+        apply_compile(model, "block")
+        before = sum(cache_counters())
+        with compute_context(torch.device("cpu"), None, compiler_settings=settings):
+            loss, grads = loss_and_grads(wrap(model))
+        return sum(cache_counters()) - before, loss, grads
+
+    block_ddp = compiler_settings(load_config("speedrun-124m", SMALL + ["train.compile=true"]), ddp=True)
+    assert block_ddp == (("optimize_ddp", False),)
+    assert compiler_settings(load_config("speedrun-124m", SMALL + ["train.compile=true",
+                                                                    "train.compile_scope=model"]), ddp=True) == ()
+    assert compiler_settings(load_config("speedrun-124m", SMALL + ["train.compile=true"]), ddp=False) == ()
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = lambda m: DDP(m, bucket_cap_mb=25)  # noqa: E731
+        plain, loss0, grads0 = graphs_and_result(lambda m: m, ())
+        cut, _, _ = graphs_and_result(ddp, ())
+        whole, loss1, grads1 = graphs_and_result(ddp, block_ddp)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    assert cut > plain, (cut, plain)  # dynamo's cuts, as torch does them by default
+    assert whole == plain, (whole, plain)
+    assert torch.allclose(loss1, loss0, atol=1e-6)
+    grads1 = {k.removeprefix("module."): g for k, g in grads1.items()}  # named through DDP's wrapper
+    assert grads1.keys() == grads0.keys()
+    for name, g in grads0.items():
+        assert torch.allclose(grads1[name], g, atol=1e-6), name

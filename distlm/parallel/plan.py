@@ -47,10 +47,16 @@ class Batch(NamedTuple):
 BatchHook = Callable[[Batch], Batch]
 
 
-def compute_context(device: torch.device, amp_dtype: Optional[torch.dtype], loss_parallel: bool = False):
+def compute_context(device: torch.device, amp_dtype: Optional[torch.dtype], loss_parallel: bool = False,
+                    compiler_settings: tuple[tuple[str, Any], ...] = ()):
     """What every forward/backward runs under: bf16 autocast (when asked), the SDPA backend
-    order on CUDA, and TP's ``loss_parallel`` (the logits are vocabulary-sharded DTensors)."""
+    order on CUDA, TP's ``loss_parallel`` (the logits are vocabulary-sharded DTensors), and the
+    compiler settings the layout asks for (``compiler_settings``: torch._dynamo.config names and
+    values, set only while the model runs, as that is when dynamo compiles)."""
     stack = contextlib.ExitStack()
+    if compiler_settings:
+        import torch._dynamo
+        stack.enter_context(torch._dynamo.config.patch(**dict(compiler_settings)))
     if amp_dtype is not None:
         stack.enter_context(torch.autocast(device.type, dtype=amp_dtype))
     if device.type == "cuda":
@@ -78,9 +84,10 @@ class ParallelPlan(NamedTuple):
     amp_dtype: Optional[torch.dtype] = None
     loss_parallel: bool = False  # the vocabulary-sharded logits' cross-entropy (parallel.loss_parallel)
     batch_hooks: tuple[BatchHook, ...] = ()
+    compiler_settings: tuple[tuple[str, Any], ...] = ()  # compute_context's: parallelize's choice
 
     def compute(self):
-        return compute_context(self.device, self.amp_dtype, self.loss_parallel)
+        return compute_context(self.device, self.amp_dtype, self.loss_parallel, self.compiler_settings)
 
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
         batch = Batch(x, y)
