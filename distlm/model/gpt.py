@@ -353,16 +353,21 @@ class GPT(nn.Module):
         # the GIL) gives the same tensors as one at a time, in a fraction of the start-up:
         # one CPU thread draws about 170M numbers a second, and speedrun-124m has 278M
         # parameters, llama-7b 6.7B. At most `threads` parameters are whole at any moment.
-        # On a GPU one thread queues the draws and the device runs them: threads would only
-        # hold more parameters whole at once.
+        # On a GPU this thread queues the draws and the device runs them: other threads would
+        # only hold more parameters whole at once (and run on their own current device and
+        # stream), so the draws stay here.
         params = list(self.named_parameters())
-        on_cpu = all(_local(p).device.type == "cpu" for _, p in params)
-        threads = (threads or min(8, os.cpu_count() or 1)) if on_cpu else 1
-        with ThreadPoolExecutor(threads) as pool:
-            for start in range(0, len(params), threads):
-                chunk = params[start:start + threads]
-                for (_, p), full in zip(chunk, pool.map(lambda item: whole(*item), chunk)):
-                    _copy_shard(p, full)
+        on_accelerator = any(_local(p).device.type != "cpu" for _, p in params)
+        threads = 1 if on_accelerator else (threads or min(8, os.cpu_count() or 1))
+        if threads == 1:
+            for name, p in params:
+                _copy_shard(p, whole(name, p))
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                for start in range(0, len(params), threads):
+                    chunk = params[start:start + threads]
+                    for (_, p), full in zip(chunk, pool.map(lambda item: whole(*item), chunk)):
+                        _copy_shard(p, full)
         self.init_buffers(device)
 
     def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
