@@ -445,3 +445,21 @@ def test_optimizer_parts_folded_newton_schulz_is_the_same_polynomial():
         m = torch.randn(shape, generator=g)
         torch.testing.assert_close(tool.ns_folded(m, dtype=torch.float32), newton_schulz(m, dtype=torch.float32),
                                    rtol=0, atol=2e-5)
+
+
+def test_process_group_tool_times_each_phase_under_torchrun(tmp_path):
+    """benchmarks/tools/process_groups.py on 2 gloo ranks: rank 0's line names every phase, the
+    JSON holds them, and the all-reduces it times gave the right sum (else it exits 1)."""
+    out = tmp_path / "pg.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "benchmarks/tools/process_groups.py", "--cpu", "--nccl", "lazy", "--layout", "dp_shard",
+                           "--timeout", "30", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("lazy dp_shard x2:")]
+    phases = ["world group", "device mesh", "first all-reduce, data axis", "first all-reduce, world",
+              "second all-reduce, data axis"]
+    assert all(f"{name} " in line for name in phases) and line.endswith("s in all")
+    record = json.loads(out.read_text())
+    assert record["world"] == 2 and list(record["seconds"]) == ["imports", *phases]
+    assert all(s >= 0 for s in record["seconds"].values())
