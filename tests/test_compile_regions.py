@@ -199,3 +199,19 @@ def test_ddp_leaves_each_compiled_block_one_graph(tmp_path):
     assert grads1.keys() == grads0.keys()
     for name, g in grads0.items():
         assert torch.allclose(grads1[name], g, atol=1e-6), name
+
+
+@pytest.mark.parametrize("settings", [(), (("optimize_ddp", False),)])
+def test_compute_context_autocasts_with_and_without_compiler_settings(settings):
+    """Every bf16 run on a GPU goes through this context, with compiler settings (DDP with
+    per-block compile) or without (one GPU, FSDP2, whole-model compile). Both paths enter
+    autocast, and the settings hold only inside."""
+    from distlm.parallel.plan import compute_context
+
+    before = torch._dynamo.config.optimize_ddp
+    with compute_context(torch.device("cpu"), torch.bfloat16, compiler_settings=settings):
+        assert torch.is_autocast_enabled("cpu")
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+        assert torch._dynamo.config.optimize_ddp == (False if settings else before)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._dynamo.config.optimize_ddp == before

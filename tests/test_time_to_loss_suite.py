@@ -206,3 +206,17 @@ def test_nanogpt_bench_can_be_left_out():
     runs = ["--runs", "nanogpt speedrun", "--nanogpt", "carry/nanogpt"]
     assert plan(runs)[-1].name == "nanogpt-bench"
     assert "nanogpt-bench" not in [s.name for s in plan([*runs, "--no-nanogpt-bench"])]
+
+
+def test_nanogpt_bench_imports_its_model_where_pythonsafepath_is_set(tmp_path):
+    """nanoGPT's bench.py imports model.py from its own folder. Where PYTHONSAFEPATH is set (as
+    on the GPU image), Python leaves the script's folder off sys.path, so the step unsets it.
+    The step's own command runs here against a stand-in checkout."""
+    (tmp_path / "model.py").write_text("NAME = 'nanoGPT model'\n")
+    (tmp_path / "bench.py").write_text("import sys, model\nprint(model.NAME, sys.argv[1:])\n")
+    step = plan(["--runs", "nanogpt", "--nanogpt", str(tmp_path)])[-1]
+    assert step.name == "nanogpt-bench"
+    argv = [sys.executable if a == "py" else a for a in step.argv]
+    out = subprocess.run(argv, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONSAFEPATH": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("nanoGPT model ['--real_data=False'")

@@ -55,8 +55,10 @@ def compute_context(device: torch.device, amp_dtype: Optional[torch.dtype], loss
     values, set only while the model runs, as that is when dynamo compiles)."""
     stack = contextlib.ExitStack()
     if compiler_settings:
-        import torch._dynamo
-        stack.enter_context(torch._dynamo.config.patch(**dict(compiler_settings)))
+        # Bound to its own name: a bare `import torch._dynamo` here would make `torch` a local of
+        # this function, unbound on the paths that skip this branch.
+        import torch._dynamo as dynamo
+        stack.enter_context(dynamo.config.patch(**dict(compiler_settings)))
     if amp_dtype is not None:
         stack.enter_context(torch.autocast(device.type, dtype=amp_dtype))
     if device.type == "cuda":
