@@ -72,6 +72,31 @@ def test_existing_run_dir_without_resume_is_refused(full_run, tiny_data):
         Trainer(cfg)
 
 
+def test_a_start_that_stops_in_set_up_leaves_no_folder_behind(tmp_path, tiny_data):
+    """A config error found once the run folder is locked (here the model plan's) used to leave
+    the folder holding its lock file, and the corrected command under the same name was refused
+    as "already exists". Now the folder goes with the failed start, named or timestamped, and a
+    folder holding only a lock (a start that was killed) counts as empty."""
+    base = TINY + [f"data.dir={tiny_data}", "train.max_steps=1", f"log.root={tmp_path}", "log.tensorboard=false"]
+    bad = ["model.value_embeds=2"]  # two tables need four blocks; the model plan refuses it
+    with pytest.raises(ConfigError, match="value_embeds=2"):
+        Trainer(load_config("tiny", base + bad + ["log.name=r"]))
+    with pytest.raises(ConfigError, match="value_embeds=2"):
+        Trainer(load_config("tiny", base + bad))
+    assert list(tmp_path.iterdir()) == []
+    Trainer(load_config("tiny", base + ["log.name=r"])).train()
+    assert (tmp_path / "r" / "metrics.csv").is_file()
+
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / ".lock").write_text("12345\n")
+    Trainer(load_config("tiny", base + ["log.name=killed"])).train()
+    assert (tmp_path / "killed" / "metrics.csv").is_file()
+    # a failed start in a folder that holds a run leaves the run as it was
+    with pytest.raises(ConfigError, match="value_embeds=2"):
+        Trainer(load_config("tiny", base + bad + ["log.name=r", "train.resume=auto"]))
+    assert (tmp_path / "r" / "metrics.csv").is_file() and (tmp_path / "r" / "config.yaml").is_file()
+
+
 def test_keep_last_keeps_best_and_newest(tmp_path, tiny_data):
     cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=6", "train.checkpoint_every=1",
                                       "train.eval_every=1", "train.keep_last=2", f"log.root={tmp_path}",

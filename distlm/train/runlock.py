@@ -99,6 +99,28 @@ class RunLock:
             os.close(self._fd)  # closing drops the process's record lock
             self._fd = None
 
+    def abandon(self) -> None:
+        """Give the folder up after a start that stopped before writing anything to it: the
+        lock file and the folder are removed (the lock file while still held, so no other
+        trainer holds it then), then the lock is released. A folder with anything else in it
+        is only released."""
+        folder = self.path.parent
+        try:
+            if self._fd is not None and holds_no_run(folder):
+                self.path.unlink()
+                self.release()
+                folder.rmdir()
+        except OSError:
+            pass  # something arrived in the folder meanwhile: it stays, as it is
+        finally:
+            self.release()
+
+
+def holds_no_run(run_dir: Path) -> bool:
+    """Whether a run folder holds nothing of a run: nothing at all, or only the lock file of a
+    start that stopped before its first file (killed, or a process whose clean-up never ran)."""
+    return all(entry.name == LOCK for entry in Path(run_dir).iterdir())
+
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))

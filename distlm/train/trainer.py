@@ -42,7 +42,7 @@ from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_ns_dtype
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.run_context import run_context
-from distlm.train.runlock import RunLock, claim_run_name
+from distlm.train.runlock import RunLock, claim_run_name, holds_no_run
 from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
@@ -104,6 +104,18 @@ class Trainer:
         clock.lap("memory check")  # on CUDA the first use of the GPU: the CUDA context starts here
         self.run_dir = Path(run_dir) if run_dir else self._run_dir(name_prefix)
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
+        try:
+            self._set_up_run(cfg, clock, compiler, background)
+        except BaseException:
+            # A start that stops here (a config error found by the model plan, a refused
+            # resume, Ctrl-C) leaves no folder behind that would block the corrected command
+            # under the same log.name; a folder with a run in it is left as it was.
+            if self.lock is not None:
+                self.lock.abandon()
+            raise
+
+    def _set_up_run(self, cfg: Config, clock: SetupClock, compiler, background: tuple) -> None:
+        """Set-up from the locked run folder on: the model, optimizer, data, resume and run files."""
         # A checkpoint of another architecture or data is refused here, before the model is
         # built or any weight loaded (and before config.yaml is rewritten).
         check_before_resume(cfg, self.run_dir)
@@ -166,7 +178,7 @@ class Trainer:
             name = self.comm.broadcast_object(
                 claim_run_name(Path(self.cfg.log.root), prefix) if self.dims.is_main else None)
         run_dir = Path(self.cfg.log.root) / name
-        if run_dir.exists() and any(run_dir.iterdir()) and self.cfg.train.resume == "never":
+        if run_dir.exists() and not holds_no_run(run_dir) and self.cfg.train.resume == "never":
             raise ConfigError(f"run directory {run_dir} already exists; pass train.resume=auto to continue it, "
                               f"or choose another log.name")
         if self.cfg.train.resume == "auto" and not self.cfg.log.name and self.dims.is_main:
