@@ -2,9 +2,11 @@
 several GPUs, nanoGPT run from its checkout and scored over the whole val split, a report per
 GPU count; and the scaling suite's interleaved repetitions."""
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -199,7 +201,29 @@ def test_startup_tool_reads_the_set_up_and_first_step_lines():
     assert (row["cache"], row["loaded"], row["compiled"]) == ("warm", 4, 0)
     assert startup.parse("no set-up here") is None
     md = startup.table([{"gpus": 1, "run": "warm", **row}])
-    assert "| this | 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | - | 19.6 | 4 / 0 |")
+    assert "| this | 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | - | 19.6 | - | - | 4 / 0 |")
+    md = startup.table([{"gpus": 4, "run": "warm", **row, "from_launch_s": 25.4, "launcher_s": 5.8}])
+    assert md.rstrip().endswith("| 19.6 | 25.4 | 5.8 | 4 / 0 |") and "of it before the process (launcher)" in md
+
+
+def test_startup_tool_times_a_run_from_its_launch_by_its_step_one_row(tmp_path):
+    """Above one GPU torchrun starts before distlm's processes do, and the set-up line cannot
+    see it: the tool reads the end of step 1 from the row the Trainer writes for it, on the
+    same wall clock as the launch. A real one-step run, launched as the tool launches it."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    import startup
+    launched = time.time()
+    proc = subprocess.run([sys.executable, "-m", "distlm", "train", "--config", "tiny", "data.source=synthetic",
+                           "train.max_steps=1", "train.device=cpu", "log.progress=false", "log.tensorboard=false",
+                           "log.samples=0", "train.eval_every=0", "train.checkpoint_every=0", f"log.root={tmp_path}",
+                           "log.name=r"], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    wall = time.time() - launched
+    assert proc.returncode == 0, proc.stderr
+    row = startup.parse(proc.stdout)
+    from_launch = startup.launch_to_step1(tmp_path / "r", launched)
+    # step 1 ends after the set-up did (seconds since the process started), and before the exit
+    assert from_launch is not None and row["since_start_s"] - 0.1 <= from_launch <= wall + 0.1, (row, from_launch, wall)
+    assert startup.launch_to_step1(tmp_path / "missing", launched) is None
 
 
 def test_nanogpt_bench_can_be_left_out():

@@ -17,13 +17,17 @@ config) and the line after the first step (how long the first step took after se
 compilation included, what it loaded from the cache, and where the compiler's seconds went).
 Writes OUT/startup.md and startup.json, one row per (code, GPUs, cold or warm): before set-up,
 each set-up phase, the first step, and the total from process start to the end of the first
-step. --importtime runs each code once more, warm on one GPU, under `python -X importtime` and
+step; then the total from the launch (step 1's row in the run's metrics.csv, against the clock
+read just before the command started), and the difference: the seconds before distlm's process
+started at all, which above one GPU is torchrun's own start (its interpreter and torch's import)
+before it starts the ranks. --importtime runs each code once more, warm on one GPU, under `python -X importtime` and
 adds the slowest top-level imports to startup.md. --cpu runs a tiny model on the CPU (inductor's
 C++ backend): the plumbing, not figures.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import re
@@ -67,13 +71,24 @@ def parse(log: str) -> dict | None:
     return row
 
 
+def launch_to_step1(run_dir: Path, launched: float) -> float | None:
+    """Seconds from ``launched`` (time.time() just before the command) to the end of step 1, by
+    the wall clock of step 1's row in metrics.csv (the Trainer always writes that row)."""
+    try:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            row = next((r for r in csv.DictReader(f) if r.get("step") == "1"), None)
+    except OSError:
+        return None
+    return round(float(row["wall_time"]) - launched, 1) if row and row.get("wall_time") else None
+
+
 def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["phases"]))
     beside = list(dict.fromkeys(n for r in rows for n in r.get("background", {})))
     head = ["code", "GPUs", "cache", "before set-up (interpreter, imports, CUDA libraries, config)", *names,
             *(f"beside the phases: {n}" for n in beside), "set-up total", "first step (compilation)",
             "of it in the compiler: tracing / loading / compiling", "process start to the end of step 1",
-            "graphs loaded / compiled"]
+            "launch to the end of step 1", "of it before the process (launcher)", "graphs loaded / compiled"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = r.get("compiler")
@@ -82,9 +97,14 @@ def table(rows: list[dict]) -> str:
                  *(f"{r['background'][n]:.1f}" if n in r.get("background", {}) else "-" for n in beside),
                  f"{r['setup_s']:.1f}", f"{r.get('first_step_s', float('nan')):.1f}",
                  f"{c['total']:.1f}: {c['tracing']:.1f} / {c['loading']:.1f} / {c['compiling']:.1f}" if c else "-",
-                 f"{r.get('to_first_step_s', float('nan')):.1f}", f"{r.get('loaded', '-')} / {r.get('compiled', '-')}"]
+                 f"{r.get('to_first_step_s', float('nan')):.1f}", _seconds(r.get("from_launch_s")),
+                 _seconds(r.get("launcher_s")), f"{r.get('loaded', '-')} / {r.get('compiled', '-')}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def slowest_imports(stderr: str, top: int = 15) -> list[tuple[str, float]]:
@@ -150,6 +170,10 @@ def main(argv: list[str]) -> int:
                         print(f"{name}: exit {proc.returncode}; see {out / f'log-{name}.txt'}")
                         failed += 1
                         continue
+                    from_launch = launch_to_step1(out / "runs" / name, t)
+                    if from_launch is not None and "to_first_step_s" in row:
+                        row.update(from_launch_s=from_launch,
+                                   launcher_s=round(from_launch - row["to_first_step_s"], 1))
                     rows.append({"code": code, "gpus": gpus, "run": kind, "round": rep,
                                  "wall_s": round(time.time() - t, 1), **row})
                     print(f"{name}: {row.get('to_first_step_s')} s to the end of step 1 ({row.get('cache')})",
