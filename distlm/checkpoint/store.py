@@ -46,6 +46,7 @@ from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_met
 from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
                                      verify_files)
 from distlm.io import atomic_write_text
+from distlm.local_shard import local_shard
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -59,7 +60,7 @@ def _locally_finite(tensors) -> bool:
     for p in tensors:
         if not isinstance(p, torch.Tensor):
             continue
-        t = (p.to_local() if hasattr(p, "to_local") else p).detach()
+        t = local_shard(p).detach()
         if t.is_meta or t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
             continue
         flags.extend(torch.isfinite(chunk).all() for chunk in t.reshape(-1).split(1 << 24))

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlm.config import ConfigError, ModelConfig
+from distlm.local_shard import local_shard
 from distlm.model.attention import attend, block_mask, dense_mask, document_ids, flex_usable
 from distlm.model.loss import chunked_head_loss, lm_loss
 
@@ -340,7 +341,7 @@ class GPT(nn.Module):
 
         def whole(name: str, p: torch.Tensor) -> torch.Tensor:
             leaf = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-            on = _local(p).device
+            on = local_shard(p).device
             if leaf.endswith("bias") or (self.cfg.zero_init_proj and leaf.endswith(resid_proj)):
                 return torch.zeros(p.shape, device=on)
             if leaf.endswith(("norm.weight", ".scale")):
@@ -357,7 +358,7 @@ class GPT(nn.Module):
         # only hold more parameters whole at once (and run on their own current device and
         # stream), so the draws stay here.
         params = list(self.named_parameters())
-        on_accelerator = any(_local(p).device.type != "cpu" for _, p in params)
+        on_accelerator = any(local_shard(p).device.type != "cpu" for _, p in params)
         threads = 1 if on_accelerator else (threads or min(8, os.cpu_count() or 1))
         if threads == 1:
             for name, p in params:
@@ -504,11 +505,6 @@ def count_params(cfg: ModelConfig, non_embedding: bool = True) -> int:
     """num_params of the whole model, built on the meta device (a pipeline rank holds a part)."""
     with torch.device("meta"):
         return GPT(cfg).num_params(non_embedding)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's own tensor: its local shard when it is a DTensor."""
-    return p.to_local() if hasattr(p, "device_mesh") else p
 
 
 def _copy_shard(p: torch.Tensor, full: torch.Tensor) -> None:

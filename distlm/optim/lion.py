@@ -31,7 +31,7 @@ import torch.nn as nn
 from distlm.config import Config
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import param_groups
-from distlm.parallel.whole_matrix import local
+from distlm.local_shard import local_shard
 
 
 class Lion(torch.optim.Optimizer):
@@ -61,9 +61,9 @@ class Lion(torch.optim.Optimizer):
             for p in ps:
                 if not self.state[p]:
                     self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params = [local(p) for p in ps]
-            grads = [local(p.grad) for p in ps]
-            moms = [local(self.state[p]["exp_avg"]) for p in ps]
+            params = [local_shard(p) for p in ps]
+            grads = [local_shard(p.grad) for p in ps]
+            moms = [local_shard(self.state[p]["exp_avg"]) for p in ps]
             beta1, beta2 = group["betas"]
             lr = group["lr"]
             skip = skip_flag(self, params[0].device, flags)

@@ -44,7 +44,8 @@ from distlm.optim.adamw import ADAMW_STATE
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
 from distlm.optim.side_stream import overlap_for
-from distlm.parallel.whole_matrix import WholeMatrices, local as _local
+from distlm.local_shard import local_shard
+from distlm.parallel.whole_matrix import WholeMatrices
 
 # Newton-Schulz. One step maps X = U S V^T to p(X) = aX + b(XX^T)X + c(XX^T)^2 X
 # = U p(S) V^T: the singular vectors stay, each singular value s becomes
@@ -275,8 +276,8 @@ class Muon(torch.optim.Optimizer):
                 work.append((p, lr * update_scale(rows, cols), split, group["ns_steps"]))
         moms: list = [None] * len(work)
         for (mu, nesterov), idx in by_momentum.items():
-            bufs = [_local(self.state[work[i][0]]["momentum_buffer"]) for i in idx]
-            grads = [_local(work[i][0].grad) for i in idx]
+            bufs = [local_shard(self.state[work[i][0]]["momentum_buffer"]) for i in idx]
+            grads = [local_shard(work[i][0].grad) for i in idx]
             skip = skip_flag(self, bufs[0].device, flags)
             if skip is not None:
                 # A step left out: each gradient (dropped after the step) becomes its buffer, so
@@ -292,7 +293,7 @@ class Muon(torch.optim.Optimizer):
             for i, m in zip(idx, torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs):
                 moms[i] = m
         for factor, idx in by_decay.items():
-            targets = [_local(work[i][0]) for i in idx]
+            targets = [local_shard(work[i][0]) for i in idx]
             skip = skip_flag(self, targets[0].device, flags)
             torch._foreach_mul_(targets, factor if skip is None else torch.where(skip, 1.0, factor))
         self.whole.wire_dtype = self.ns_dtype
@@ -301,7 +302,7 @@ class Muon(torch.optim.Optimizer):
             # One conversion of the stack to the parameters' dtype and layout (bf16 -> fp32 is
             # exact, so p + s u is the same number either way), then one foreach add per step
             # size (one per stack unless groups of one shape differ in rate).
-            targets = [_local(work[i][0]) for i in indices]
+            targets = [local_shard(work[i][0]) for i in indices]
             updates = updates.to(dtype=targets[0].dtype, memory_format=torch.contiguous_format)
             skip = skip_flag(self, updates.device, flags)
             if skip is not None:

@@ -6,6 +6,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from distlm.local_shard import local_shard
+
 
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool):
@@ -131,7 +133,7 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None, exclude=frozenset
 def _group_squares(grads: list, mesh, sharded_dims: tuple) -> torch.Tensor:
     """Sum of squares of one group's full gradients (float64 on CPU, fp32 on GPUs)."""
     import torch.distributed as dist
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    local = [local_shard(g) for g in grads]
     if local[0].device.type == "cpu":
         # fp32 sums of squares over a multi-million-element CPU tensor lose digits (measured:
         # 6e-5 relative on a 3.2M-element embedding gradient), enough to make layouts that

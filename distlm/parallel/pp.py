@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlm.config import ConfigError, ModelConfig, ParallelConfig
+from distlm.local_shard import local_shard
 
 # name -> (schedule class name in torch.distributed.pipelining, stages per rank > 1)
 SCHEDULES = {
@@ -258,7 +259,7 @@ def sync_tied_grads(parts: PipelineParts) -> None:
         # vocabulary-sharded matrix, the head's a sharded one: bring both to the
         # parameter's layout (a local slice, no communication) so the two ends match.
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    g = local_shard(p.grad)
     dist.all_reduce(g, group=parts.tied_group)
 
 

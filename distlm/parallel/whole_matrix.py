@@ -36,11 +36,6 @@ Transform = Callable[[torch.Tensor, Hashable], torch.Tensor]
 Apply = Callable[[list, torch.Tensor], None]
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _contiguous_stride(shape) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):

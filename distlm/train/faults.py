@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
+from distlm.local_shard import local_shard
+
 
 class TrainingStopped(RuntimeError):
     """Training cannot go on (non-finite values, an unwritable checkpoint); the message says why."""
@@ -241,7 +243,7 @@ def nonfinite_grads(model: torch.nn.Module, limit: int = 8) -> list[str]:
         g = p.grad
         if g is None:
             continue
-        local = g.to_local() if hasattr(g, "to_local") else g
+        local = local_shard(g)
         if not bool(torch.isfinite(local).all()):
             bad.append(name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""))
             if len(bad) >= limit:
