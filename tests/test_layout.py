@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # dependency); packages that share a floor import nothing from each other. A package is
 # ``distlm.X``: a folder, or a module directly under distlm/.
 FLOORS = [
-    ("distlm.errors", "distlm.io"),
+    ("distlm.errors", "distlm.io", "distlm.local_shard"),
     ("distlm.layout",),                 # the axes' rules run inside config validation
     ("distlm.config",),
     ("distlm.device", "distlm.data", "distlm.checkpoint"),

@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 
 from distlm.config import Config
+from distlm.local_shard import local_shard
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import param_groups
-from distlm.local_shard import local_shard
 
 
 class Lion(torch.optim.Optimizer):

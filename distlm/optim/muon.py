@@ -40,11 +40,11 @@ import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_update
 
 from distlm.config import Config, ConfigError
+from distlm.local_shard import local_shard
 from distlm.optim.adamw import ADAMW_STATE
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
 from distlm.optim.side_stream import overlap_for
-from distlm.local_shard import local_shard
 from distlm.parallel.whole_matrix import WholeMatrices
 
 # Newton-Schulz. One step maps X = U S V^T to p(X) = aX + b(XX^T)X + c(XX^T)^2 X
