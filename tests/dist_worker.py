@@ -57,6 +57,9 @@ def inspect_model(trainer: Trainer) -> dict:
         "fsdp_blocks": [isinstance(b, FSDPModule) for b in gpt.blocks.values()],
         "embedding_units": [isinstance(m, FSDPModule) for m in (gpt.tok_emb, gpt.head)],
         "group_timeouts_s": axes,
+        # the data and loss meshes: an axis of the root mesh where one axis spans the ranks
+        "dp_mesh_dims": list(dims.dp_mesh.mesh_dim_names),
+        "loss_mesh_is_dp_mesh": dims.loss_mesh is dims.dp_mesh,
         "model_type": type(trainer.model).__name__,
         # fused AdamW (CUDA) refuses a group mixing plain tensors and DTensors, or two meshes
         "optimizer_groups_one_mesh": one_mesh_per_group(trainer.optimizer.param_groups),

@@ -222,6 +222,15 @@ def test_mesh_groups_get_the_short_timeout(four):
     assert four["hsdp"][0]["group_timeouts_s"] == {"dp_replicate": 60.0, "dp_shard": 60.0, "dp": 60.0}
 
 
+def test_one_spanning_axis_is_used_as_it_is_not_flattened_again(four):
+    """Under DDP or FSDP2 alone the data, loss and shard-role dimensions are the one axis that
+    spans the ranks (on GPUs each flattened copy would be one more NCCL communicator); HSDP's
+    data mesh flattens its two axes."""
+    for layout, dims in (("ddp4", ["dp_replicate"]), ("fsdp4", ["dp_shard"]), ("hsdp", ["dp"])):
+        for r in four[layout]:
+            assert r["dp_mesh_dims"] == dims and r["loss_mesh_is_dp_mesh"], (layout, r["dp_mesh_dims"])
+
+
 # ---- 2 ranks, resume across layouts ---------------------------------------------------
 @pytest.mark.parametrize("name", ["fsdp2", "ddp2", "fsdp2_offload", "fsdp2_async"])
 def test_two_ranks_match_reference(root, reference, two, name):

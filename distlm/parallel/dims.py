@@ -54,8 +54,14 @@ class ParallelDims(Layout):
 
     def build_mesh(self, device_type: str, timeout_s: Optional[float] = None):
         """One mesh, a dimension per axis in MESH_ORDER (pp, dp_replicate, dp_shard, tp); size-1
-        axes are kept so every layout addresses the same names. 'dp' flattens the data axes
-        (Layout.data_axes), and the loss mesh the axes the loss is averaged over.
+        axes are kept so every layout addresses the same names. 'dp' is the data axes
+        (Layout.data_axes) as one dimension, and the loss mesh the axes the loss is averaged over.
+
+        A set of axes of which only one spans more than one rank is that axis: its ranks are the
+        same as the set's, so it is used as it is rather than flattened. On GPUs every flattened
+        dimension is one more NCCL communicator, split off the world's at start-up with a
+        collective and holding buffers for the whole run; under plain DDP or FSDP2 three of them
+        (the data, loss and shard-role dimensions) were copies of the one axis in use.
 
         The mesh's sub-groups do not inherit the world group's timeout: without an
         explicit one they wait 30 min (gloo) or 10 min (NCCL) on a hang, and every
@@ -73,23 +79,34 @@ class ParallelDims(Layout):
         override = {n: opts for n, k in zip(names, shape) if k > 1} if opts is not None else {}
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
         self.dp_mesh = self._flatten(self.data_axes, "dp", self.dp_size, opts)
-        self.loss_mesh = (self.dp_mesh if self.loss_axes == self.data_axes
+        self.loss_mesh = (self.dp_mesh if self.spanning(self.loss_axes) == self.spanning(self.data_axes)
                           else self._flatten(self.loss_axes, "loss", self.loss_size, opts))
         # A gradient role held by several axes (the data shards and a sequence axis, say) is
         # one dimension to DDP and FSDP2: flattened here, addressed by role_dim.
         for axes, size in ((self.replicate_axes, self.replicate_degree), (self.shard_axes, self.shard_degree)):
-            if len(axes) > 1:
+            if len(self.spanning(axes)) > 1:
                 self._flatten(axes, self.role_dim(axes), size, opts)
         return self.mesh
 
-    @staticmethod
-    def role_dim(axes: tuple[str, ...]) -> str:
-        """The mesh dimension a role's axes form: the one axis, or their flattened dimension."""
-        return axes[0] if len(axes) == 1 else "_".join(axes)
+    def spanning(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """Those of ``axes`` that span more than one rank."""
+        return tuple(a for a in axes if getattr(self, a) > 1)
+
+    def role_dim(self, axes: tuple[str, ...]) -> str:
+        """The mesh dimension a role's axes form: the one axis among them that spans more than
+        one rank (the first axis when none does), else all of them flattened."""
+        live = self.spanning(axes)
+        if len(live) > 1:
+            return "_".join(axes)
+        return live[0] if live else axes[0]
 
     def _flatten(self, axes: tuple[str, ...], name: str, size: int, opts):
-        """The mesh dimensions ``axes`` as one (a collective on every rank: flattened in the
-        same order everywhere, by build_mesh)."""
+        """The mesh dimensions ``axes`` as one: the axis itself when at most one spans more than
+        one rank, else all of them flattened, the size-1 ones between included so the flattened
+        dimensions are contiguous (a collective on every rank: flattened in the same order
+        everywhere, by build_mesh)."""
+        if len(self.spanning(axes)) <= 1:
+            return self.mesh[self.role_dim(axes)]
         flat = {"backend_override": opts} if opts is not None and size > 1 else {}
         return self.mesh[axes]._flatten(name, **flat)
 
