@@ -244,7 +244,9 @@ def plan(args, ctx: Context) -> list[Step]:
         steps.append(Step("report" if corpus == "prose" else f"report-{corpus}", report, env=env,
                           result="speedrun-table.json"))
     if args.nanogpt and not ctx.cpu and not args.no_nanogpt_bench:  # bench.py needs CUDA
-        steps.append(Step("nanogpt-bench", ["bash", "-c", 'cd "$0" && exec env -u PYTHONSAFEPATH "$1" bench.py --real_data=False '
-                                            '--compile=True --batch_size=12 --block_size=1024',
+        # PYTHONSAFEPATH (set on some images) keeps the script's folder off sys.path, and
+        # bench.py imports its model.py from there.
+        steps.append(Step("nanogpt-bench", ["bash", "-c", 'cd "$0" && exec env -u PYTHONSAFEPATH "$1" bench.py '
+                                            '--real_data=False --compile=True --batch_size=12 --block_size=1024',
                                             args.nanogpt, ctx.python]))
     return steps

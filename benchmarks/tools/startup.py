@@ -20,8 +20,8 @@ each set-up phase, the first step, and the total from process start to the end o
 step; then the total from the launch (step 1's row in the run's metrics.csv, against the clock
 read just before the command started), and the difference: the seconds before distlm's process
 started at all, which above one GPU is torchrun's own start (its interpreter and torch's import)
-before it starts the ranks. --importtime runs each code once more, warm on one GPU, under `python -X importtime` and
-adds the slowest top-level imports to startup.md. --cpu runs a tiny model on the CPU (inductor's
+before it starts the ranks. --importtime runs each code once more, warm on one GPU, under
+`python -X importtime` and adds the slowest top-level imports to startup.md. --cpu runs a tiny model on the CPU (inductor's
 C++ backend): the plumbing, not figures.
 """
 from __future__ import annotations
