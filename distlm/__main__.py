@@ -1,6 +1,6 @@
 """`python -m distlm VERB` (and `torchrun ... -m distlm train ...`)."""
 import sys
 
-from distlm.cli import main
+from distlm.cli import run
 
-sys.exit(main())
+sys.exit(run())

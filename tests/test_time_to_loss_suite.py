@@ -38,7 +38,9 @@ def test_four_one_gpu_runs_go_at_once_and_the_four_gpu_runs_after():
                      "nanogpt-bench"]
     script = steps[2].argv[2]
     for gpu, name in enumerate(["nanogpt", "speedrun", "docs-nanogpt", "docs-speedrun"]):
-        assert f"CUDA_VISIBLE_DEVICES={gpu} TORCHINDUCTOR_CACHE_DIR='{{out}}/inductor-{name}' exec" in script
+        # compiled graphs and the imports' bytecode in one folder, emptied for a cold start
+        assert (f"CUDA_VISIBLE_DEVICES={gpu} TORCHINDUCTOR_CACHE_DIR='{{out}}/inductor-{name}' "
+                f"DISTLM_CACHE_DIR='{{out}}/inductor-{name}' exec") in script
         assert f"{{out}}/{{stamp}}-{name}/launch_time.txt" in script
     assert script.count(" &\npids+=($!)") == 4 and "wait" in script
     # a cold start each, and each in its own folder that the report reads
@@ -65,8 +67,11 @@ def test_batches_hold_at_most_gpus_runs_and_a_warm_run_follows_its_cold_one():
     assert "-speedrun-warm/launch" in second and "-nanogpt/launch" in second
     # the warm run keeps the cache its cold run left; the others start cold
     warm_part = second.split("mkdir")[1]
-    assert "rm -rf" not in warm_part and "TORCHINDUCTOR_CACHE_DIR='{out}/inductor-speedrun' exec" in warm_part
+    assert "rm -rf" not in warm_part
+    assert "TORCHINDUCTOR_CACHE_DIR='{out}/inductor-speedrun' DISTLM_CACHE_DIR='{out}/inductor-speedrun' exec" in warm_part
     assert steps[3].argv[:3] == ["bash", "-c", 'rm -rf "{out}/inductor-speedrun-adamw" && exec "$@"']
+    assert steps[3].env == {"TORCHINDUCTOR_CACHE_DIR": "{out}/inductor-speedrun-adamw",
+                            "DISTLM_CACHE_DIR": "{out}/inductor-speedrun-adamw"}
 
 
 def test_bad_options_are_refused():

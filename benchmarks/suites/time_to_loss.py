@@ -10,8 +10,9 @@ below); RUN@ddpN or
 RUN@fsdpN runs it on N GPUs (a run that sets its micro-batch keeps its global batch, split evenly;
 speedrun-124m's own rule, train.min_local_batch, gives 4 GPUs 64 sequences a step for 300 steps); RUN+warm runs RUN again on the
 compile cache RUN left (a repeated run on one machine). Every other run starts from an empty
-compile cache, so its time counts imports, set-up and compilation: each run is timed from its own
-process start. The corpus (Gutenberg + State of the Union + GCIDE, about 21M GPT-2 tokens) is laid
+cache folder (compiled graphs, and the imports' bytecode where the installation keeps none:
+distlm/bytecode.py), so its time counts imports, set-up and compilation: each run is timed from its
+own process start. The corpus (Gutenberg + State of the Union + GCIDE, about 21M GPT-2 tokens) is laid
 out by scripts/build_speedrun_corpus.py from --corpus (../shared/data/corpus) and prepared on the
 machine that runs it; GCIDE is GPL and is never vendored. Validation covers the whole val split.
 The report (tools/speedrun_report.py) gives seconds and tokens to the baseline's final loss (or
@@ -183,7 +184,7 @@ def jobs_for(corpus: str, args, ctx: Context) -> list[Job]:
 def sequential(job: Job) -> Step:
     # An empty compile cache per run unless +warm: the time to loss includes compilation.
     argv = job.argv if job.warm else ["bash", "-c", f'rm -rf "{job.cache}" && exec "$@"', "bash", *job.argv]
-    return Step(job.name, argv, env={"TORCHINDUCTOR_CACHE_DIR": job.cache})
+    return Step(job.name, argv, env={"TORCHINDUCTOR_CACHE_DIR": job.cache, "DISTLM_CACHE_DIR": job.cache})
 
 
 def concurrent(jobs: list[Job], index: int) -> Step:
@@ -195,10 +196,11 @@ def concurrent(jobs: list[Job], index: int) -> Step:
         cmd = shlex.join(job.argv).replace("{dir}", where)
         clear = "" if job.warm else f"rm -rf {shlex.quote(job.cache)} && "
         lines += [f"mkdir -p {shlex.quote(where)}",
-                  f"printf '%s\\n' {shlex.quote(f'CUDA_VISIBLE_DEVICES={gpu} TORCHINDUCTOR_CACHE_DIR={job.cache} {cmd}')}"
+                  f"printf '%s\\n' {shlex.quote(f'CUDA_VISIBLE_DEVICES={gpu} TORCHINDUCTOR_CACHE_DIR={job.cache} DISTLM_CACHE_DIR={job.cache} {cmd}')}"
                   f" > {shlex.quote(where + '/command.txt')}",
                   f"( {clear}date +%s.%N > {shlex.quote(where + '/launch_time.txt')} && "
-                  f"CUDA_VISIBLE_DEVICES={gpu} TORCHINDUCTOR_CACHE_DIR={shlex.quote(job.cache)} exec {cmd} ) "
+                  f"CUDA_VISIBLE_DEVICES={gpu} TORCHINDUCTOR_CACHE_DIR={shlex.quote(job.cache)} "
+                  f"DISTLM_CACHE_DIR={shlex.quote(job.cache)} exec {cmd} ) "
                   f"> {shlex.quote(where + '/log.txt')} 2>&1 &",
                   "pids+=($!)"]
     lines += ['rc=0; for p in "${{pids[@]}}"; do wait "$p" || rc=$?; done',  # braces doubled: filled by run.py

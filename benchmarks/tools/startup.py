@@ -5,7 +5,8 @@ in the same run, for another copy of distlm (the code before a change).
                                        [--old DIR] [--repeat N] [--importtime] [-- OVERRIDES]
 
 For each GPU count, `distlm train` (torchrun above one GPU, DDP) runs 3 steps on synthetic tokens
-twice with one compile-cache folder (train.compile_cache): first from an empty one (cold), then
+twice with one cache folder (train.compile_cache and DISTLM_CACHE_DIR: compiled graphs, and the
+imports' bytecode where the installation keeps none): first from an empty one (cold), then
 again on what the first left (warm). With --old DIR (a folder holding another copy of the
 `distlm` package, e.g. `git archive main distlm | tar -x -C DIR`), that copy runs the same pair
 right before this one, with a cache folder of its own, so both see the same machine at the same
@@ -135,7 +136,8 @@ def main(argv: list[str]) -> int:
             print(f"--old {args.old}: no distlm/__main__.py there (pass the folder that holds the distlm package)")
             return 2
         codes = {"old": old, "this": ROOT}
-    base = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH", "PYTHONPYCACHEPREFIX", "DISTLM_BYTECODE_CACHE")}
     rows, failed, imports = [], 0, {}
 
     def train_args(gpus: int, cache: Path, name: str) -> list[str]:
@@ -147,7 +149,9 @@ def main(argv: list[str]) -> int:
     def run(code: str, gpus: int, cache: Path, name: str, python_flags: tuple[str, ...] = ()):
         # The working folder is OUT, not a checkout: `python -m` puts it first on sys.path, and
         # the copy named by PYTHONPATH must be the one that runs.
-        env = {**base, "PYTHONPATH": str(codes[code])}
+        # DISTLM_CACHE_DIR: the bytecode a run keeps, where the installation keeps none
+        # (distlm/bytecode.py), goes in the same folder, so a cold run starts without it too.
+        env = {**base, "PYTHONPATH": str(codes[code]), "DISTLM_CACHE_DIR": str(cache)}
         launch = [args.python, *python_flags, "-m", "distlm"] if gpus == 1 else [
             args.python, *python_flags, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
             "-m", "distlm"]

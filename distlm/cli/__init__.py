@@ -32,7 +32,7 @@ from typing import Callable, Optional
 # Only light modules here: building the parser must not import torch (about 5 s on a loaded
 # 2-core box), so `distlm --help`, a usage error or `--print-config` answer at once. The verbs
 # import what they need in their bodies; tests/test_cli_light.py checks that torch stays out.
-from distlm import __version__
+from distlm import __version__, bytecode
 from distlm.cli.bench import bench
 from distlm.cli.demo import demo
 from distlm.cli.generate import generate
@@ -82,6 +82,14 @@ def build_parser() -> Parser:
     shared = shared_params()
     p.verb_parsers = {name: add_verb(sub, name, fn, shared) for name, fn in VERBS.items()}
     return p
+
+
+def run() -> int:
+    """The program's entry (`distlm`, `python -m distlm`, each rank under torchrun): first where
+    Python keeps the bytecode of the imports to come (torch's is seconds: distlm/bytecode.py),
+    then the command line. Tests call ``main`` and leave the interpreter as it is."""
+    bytecode.use()
+    return main()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -347,6 +347,7 @@ def env(*, json: Annotated[bool, "print JSON (every rank's report under torchrun
         print(f"torch {r['torch']} | python {r['python']} | CUDA {r['cuda']} | cuDNN {r['cudnn']} | NCCL {r['nccl']}")
         print(f"backend {r['backend']} | world size {r['world_size']} | master {r['master']} | "
               f"available: {', '.join(k for k, v in r['available'].items() if v)}")
+        print(f"bytecode of the imports: {r['bytecode']}")
         for q in reports:
             devs = ", ".join(f"{g['index']}:{g['name']} {g['memory_gb']}GB" for g in q["gpus"]) or "no GPU"
             ar = q.get("all_reduce")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import Mapping
 
@@ -37,6 +38,8 @@ def env_report(env: Mapping[str, str] = os.environ) -> dict:
         "world_size": int(env.get("WORLD_SIZE", 1)), "rank": int(env.get("RANK", 0)),
         "local_rank": int(env.get("LOCAL_RANK", 0)),
         "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_ADDR" in env else None,
+        # Where this process's imports keep their bytecode (distlm/bytecode.py).
+        "bytecode": sys.pycache_prefix or "beside the sources",
         "env": {k: env[k] for k in sorted(keys) + ["CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"] if k in env},
     }
 

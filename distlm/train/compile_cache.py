@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import MutableMapping, Optional
 
+from distlm.cache_home import OWN_ENV, cache_home, unusable
+
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
-OWN_ENV = "DISTLM_CACHE_DIR"
 
 
 def cache_root(setting: str, environ: MutableMapping[str, str]) -> Optional[Path]:
@@ -41,10 +41,7 @@ def cache_root(setting: str, environ: MutableMapping[str, str]) -> Optional[Path
         return None
     if setting != "auto":
         return Path(setting).expanduser()
-    if environ.get(OWN_ENV):
-        return Path(environ[OWN_ENV]).expanduser() / "compile"
-    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
-    return Path(base).expanduser() / "distlm" / "compile"
+    return cache_home(environ) / "compile"
 
 
 def _entries(folder: Path) -> int:
@@ -63,17 +60,6 @@ def _torch_default(value: str) -> bool:
     before, the variable says nothing of the user's wishes."""
     utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
     return utils is not None and os.path.abspath(value) == os.path.abspath(utils.default_cache_dir())
-
-
-def _usable(folder: Path) -> Optional[str]:
-    """None when the folder can be made and written to, else why not (one phrase)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
-            pass
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    return None
 
 
 @dataclass(frozen=True)
@@ -99,7 +85,7 @@ class CompileCache:
         folder = cache_root(setting, environ)
         if folder is None:
             return cls(None, 0, None)
-        why = _usable(folder)
+        why = unusable(folder)
         if why is not None:
             return cls(None, 0, f"warning: train.compile_cache: {folder} is not usable ({why}); compiling "
                                 f"without it, in torch's default folder (set train.compile_cache=PATH, "

@@ -1,0 +1,95 @@
+"""Where a distlm process keeps the bytecode of its imports (distlm/bytecode.py): the rules, on a
+package of the test's own, and the program's entry, on torch, in fresh interpreters."""
+import os
+import py_compile
+import subprocess
+import sys
+from importlib.util import cache_from_source
+from pathlib import Path
+
+import pytest
+
+from distlm import bytecode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A package on sys.path with no bytecode beside its source, and a clean interpreter setting."""
+    src = tmp_path / "src" / "bytecode_probe_pkg"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(src.parent))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    return src
+
+
+def test_a_package_without_bytecode_gets_the_cache_home_folder(package, tmp_path):
+    env = {"DISTLM_CACHE_DIR": str(tmp_path / "home")}
+    assert bytecode.has_bytecode("bytecode_probe_pkg") is False
+    cache = bytecode.use(env, packages=("bytecode_probe_pkg",))
+    assert cache.folder == tmp_path / "home" / "bytecode"
+    assert "bytecode_probe_pkg has no bytecode" in cache.describe()
+    assert sys.pycache_prefix == str(cache.folder) and env["PYTHONPYCACHEPREFIX"] == str(cache.folder)
+    assert sys.dont_write_bytecode is False
+
+
+def test_a_package_with_bytecode_is_left_as_python_keeps_it(package, tmp_path):
+    py_compile.compile(str(package / "__init__.py"), cfile=cache_from_source(str(package / "__init__.py")))
+    env = {"DISTLM_CACHE_DIR": str(tmp_path / "home")}
+    assert bytecode.has_bytecode("bytecode_probe_pkg") is True
+    cache = bytecode.use(env, packages=("bytecode_probe_pkg",))
+    assert cache.folder is None and "keeps its own" in cache.why
+    assert sys.pycache_prefix is None and "PYTHONPYCACHEPREFIX" not in env
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("setting, expect", [("off", None), ("PATH", "chosen")])
+def test_the_setting_turns_it_off_or_names_the_folder(package, tmp_path, setting, expect):
+    folder = tmp_path / "chosen"
+    env = {"DISTLM_BYTECODE_CACHE": str(folder) if setting == "PATH" else setting,
+           "DISTLM_CACHE_DIR": str(tmp_path / "home")}
+    cache = bytecode.choose(env, packages=("bytecode_probe_pkg",))
+    assert cache.folder == (folder if expect else None)
+
+
+def test_the_users_prefix_wins_and_an_unwritable_folder_changes_nothing(package, tmp_path):
+    user = {"PYTHONPYCACHEPREFIX": str(tmp_path / "mine"), "DISTLM_BYTECODE_CACHE": str(tmp_path / "x")}
+    assert bytecode.choose(user).why == "PYTHONPYCACHEPREFIX, the user's"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"DISTLM_BYTECODE_CACHE": str(blocker / "bytecode")}
+    cache = bytecode.use(env, packages=("bytecode_probe_pkg",))
+    assert cache.folder is None and "is not usable" in cache.why
+    assert sys.pycache_prefix is None and "PYTHONPYCACHEPREFIX" not in env
+
+
+def test_an_absent_package_is_not_taken_for_one_without_bytecode(package):
+    assert bytecode.has_bytecode("no_such_package_anywhere") is None
+
+
+def test_the_program_writes_torchs_bytecode_once_and_the_next_process_reads_it(tmp_path):
+    """`python -m distlm env` under PYTHONDONTWRITEBYTECODE=1 (an image that keeps no bytecode):
+    torch's bytecode lands in the folder, and a second process reads it from there."""
+    folder = tmp_path / "bytecode"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "DISTLM_BYTECODE_CACHE": str(folder),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    first = subprocess.run([sys.executable, "-m", "distlm", "env"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert f"bytecode of the imports: {folder}" in first.stdout
+    import torch
+    source = Path(os.path.abspath(torch.__file__))
+    cached = folder / source.parent.relative_to(source.anchor) / f"__init__.{sys.implementation.cache_tag}.pyc"
+    assert cached.is_file(), cached
+    stamp = cached.stat().st_mtime_ns
+    # The second process finds it there: torch's module records the cached file it ran.
+    probe = ("from distlm import bytecode; bytecode.use(); import torch, sys; "
+             "print(torch.__cached__); print(sys.pycache_prefix)")
+    second = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split() == [str(cached), str(folder)]
+    assert cached.stat().st_mtime_ns == stamp  # read, not written again
