@@ -211,6 +211,17 @@ def test_startup_tool_reads_the_set_up_and_first_step_lines():
     assert md.rstrip().endswith("| 19.6 | 25.4 | 5.8 | 4 / 0 |") and "of it before the process (launcher)" in md
 
 
+def test_startup_tool_gives_each_run_one_cache_folder_and_drops_the_callers():
+    """A cold run must start with no compiled graphs and no kept bytecode: both go in the run's
+    cache folder, and cache settings of the shell that started the tool do not leak in."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    import startup
+    outer = {"HOME": "/h", "PYTHONPYCACHEPREFIX": "/warm", "TORCHINDUCTOR_CACHE_DIR": "/warm2",
+             "DISTLM_BYTECODE_CACHE": "/warm3", "PYTHONPATH": "/elsewhere", "DISTLM_CACHE_DIR": "/warm4"}
+    env = startup.launch_env(outer, Path("/code/old"), Path("/out/cache-old-1"))
+    assert env == {"HOME": "/h", "PYTHONPATH": "/code/old", "DISTLM_CACHE_DIR": "/out/cache-old-1"}
+
+
 def test_startup_tool_times_a_run_from_its_launch_by_its_step_one_row(tmp_path):
     """Above one GPU torchrun starts before distlm's processes do, and the set-up line cannot
     see it: the tool reads the end of step 1 from the row the Trainer writes for it, on the

@@ -72,6 +72,16 @@ def parse(log: str) -> dict | None:
     return row
 
 
+def launch_env(environ: dict, code: Path, cache: Path) -> dict:
+    """The environment of one run: the copy of distlm in ``code`` first on the path, and every cache
+    in ``cache``: DISTLM_CACHE_DIR puts the imports' bytecode there where the installation keeps
+    none (distlm/bytecode.py), so a cold run starts without it too. The caller's own cache settings
+    are dropped, or a cold run could be warm."""
+    drop = ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH", "PYTHONPYCACHEPREFIX", "DISTLM_BYTECODE_CACHE")
+    return {**{k: v for k, v in environ.items() if k not in drop}, "PYTHONPATH": str(code),
+            "DISTLM_CACHE_DIR": str(cache)}
+
+
 def launch_to_step1(run_dir: Path, launched: float) -> float | None:
     """Seconds from ``launched`` (time.time() just before the command) to the end of step 1, by
     the wall clock of step 1's row in metrics.csv (the Trainer always writes that row)."""
@@ -136,8 +146,6 @@ def main(argv: list[str]) -> int:
             print(f"--old {args.old}: no distlm/__main__.py there (pass the folder that holds the distlm package)")
             return 2
         codes = {"old": old, "this": ROOT}
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH", "PYTHONPYCACHEPREFIX", "DISTLM_BYTECODE_CACHE")}
     rows, failed, imports = [], 0, {}
 
     def train_args(gpus: int, cache: Path, name: str) -> list[str]:
@@ -149,9 +157,7 @@ def main(argv: list[str]) -> int:
     def run(code: str, gpus: int, cache: Path, name: str, python_flags: tuple[str, ...] = ()):
         # The working folder is OUT, not a checkout: `python -m` puts it first on sys.path, and
         # the copy named by PYTHONPATH must be the one that runs.
-        # DISTLM_CACHE_DIR: the bytecode a run keeps, where the installation keeps none
-        # (distlm/bytecode.py), goes in the same folder, so a cold run starts without it too.
-        env = {**base, "PYTHONPATH": str(codes[code]), "DISTLM_CACHE_DIR": str(cache)}
+        env = launch_env(os.environ, codes[code], cache)
         launch = [args.python, *python_flags, "-m", "distlm"] if gpus == 1 else [
             args.python, *python_flags, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
             "-m", "distlm"]
