@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -199,9 +200,31 @@ def run_step(step: Step, ctx: Context, stamp: str, prov: dict, results: Path) ->
         "wall_s": round(wall, 1), "result": result}
     with open(results, "a") as f:
         f.write(json.dumps(record) + "\n")
-    tail = (folder / "log.txt").read_text(errors="replace").strip().splitlines()[-3:]
-    print(f"[{step.name}] rc {rc}, {wall:.1f} s" + "".join(f"\n    {line}" for line in tail), flush=True)
+    text = (folder / "log.txt").read_text(errors="replace")
+    shown_lines = text.strip().splitlines()[-3:]
+    if rc:
+        # Under torchrun the last lines are its summary of which rank exited, not why: the why is
+        # the first error a rank printed, earlier in the log.
+        shown_lines = [*(f"cause: {line}" for line in failure_causes(text)), *shown_lines]
+    print(f"[{step.name}] rc {rc}, {wall:.1f} s" + "".join(f"\n    {line}" for line in shown_lines), flush=True)
     return rc
+
+
+# A line that says why a run failed: distlm's one-line errors (``error: ...``, ``error (rank N): ...``),
+# the last line of a Python traceback (``SomethingError: ...``), CUDA's out-of-memory message.
+CAUSE = re.compile(r"(^|\] )error( \(rank \d+\))?: |^(\[rank\d+\]: )?[\w.]*(Error|Exception): |CUDA out of memory")
+
+
+def failure_causes(log: str, most: int = 3) -> list[str]:
+    """The first ``most`` distinct lines of the log that say why the run failed, in order."""
+    causes: list[str] = []
+    for line in log.splitlines():
+        line = line.strip()
+        if CAUSE.search(line) and line not in causes:
+            causes.append(line[:300])
+            if len(causes) == most:
+                break
+    return causes
 
 
 def start_clock_sampler(path: Path) -> subprocess.Popen | None:

@@ -463,3 +463,26 @@ def test_process_group_tool_times_each_phase_under_torchrun(tmp_path):
     record = json.loads(out.read_text())
     assert record["world"] == 2 and list(record["seconds"]) == ["imports", *phases]
     assert all(s >= 0 for s in record["seconds"].values())
+
+
+def test_a_failed_step_prints_why_a_rank_failed_not_only_the_launchers_summary(tmp_path, capsys):
+    """Under torchrun a failed run's last lines are the launcher's summary ("rank 1 exited 1"); the
+    runner also prints the first lines that say why, from earlier in the log."""
+    log = ("step 1/5 | loss 9.1\n"
+           "[rank1]: Traceback (most recent call last):\n"
+           "[rank1]:   File \"x.py\", line 1, in <module>\n"
+           "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+           "error (rank 3): the checkpoint folder is read-only\n"
+           + "  rank : 1 (local_rank: 1)\n  exitcode : 1\n" * 3)
+    script = f"import sys; sys.stdout.write({log!r}); sys.exit(1)"
+    ctx = bench_run.Context(gpus=1, cpu=True, python=sys.executable, out=tmp_path)
+    rc = bench_run.run_step(bench_run.Step("fails", [sys.executable, "-c", script]), ctx, "T", {},
+                            tmp_path / "results.jsonl")
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert ("cause: [rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+            "    cause: error (rank 3): the checkpoint folder is read-only\n      exitcode : 1") in out
+    # a step that succeeds prints its last lines only
+    rc = bench_run.run_step(bench_run.Step("works", [sys.executable, "-c", "print('error: not an error here')"]),
+                            ctx, "T", {}, tmp_path / "results.jsonl")
+    assert rc == 0 and "cause:" not in capsys.readouterr().out
