@@ -94,7 +94,10 @@ def use(environ: MutableMapping[str, str] = os.environ, packages: Sequence[str] 
     cache = choose(environ, packages)
     if cache.folder is not None and sys.pycache_prefix is None:
         sys.pycache_prefix = str(cache.folder)
-        # The point is to write it, once; PYTHONDONTWRITEBYTECODE was about the source tree.
+        # The point is to write it, once; PYTHONDONTWRITEBYTECODE was about the source tree. The
+        # processes started from here (the ranks of `distlm train --nproc-per-node`, the compiler's
+        # workers) import modules this one does not, so they write into the folder too.
         sys.dont_write_bytecode = False
+        environ.pop("PYTHONDONTWRITEBYTECODE", None)
         environ[PYTHON_ENV] = str(cache.folder)
     return cache

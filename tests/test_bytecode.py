@@ -27,13 +27,14 @@ def package(tmp_path, monkeypatch):
 
 
 def test_a_package_without_bytecode_gets_the_cache_home_folder(package, tmp_path):
-    env = {"DISTLM_CACHE_DIR": str(tmp_path / "home")}
+    env = {"DISTLM_CACHE_DIR": str(tmp_path / "home"), "PYTHONDONTWRITEBYTECODE": "1"}
     assert bytecode.has_bytecode("bytecode_probe_pkg") is False
     cache = bytecode.use(env, packages=("bytecode_probe_pkg",))
     assert cache.folder == tmp_path / "home" / "bytecode"
     assert "bytecode_probe_pkg has no bytecode" in cache.describe()
     assert sys.pycache_prefix == str(cache.folder) and env["PYTHONPYCACHEPREFIX"] == str(cache.folder)
-    assert sys.dont_write_bytecode is False
+    # this process and the ones it starts write there
+    assert sys.dont_write_bytecode is False and "PYTHONDONTWRITEBYTECODE" not in env
 
 
 def test_a_package_with_bytecode_is_left_as_python_keeps_it(package, tmp_path):

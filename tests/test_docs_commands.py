@@ -160,9 +160,9 @@ def launched(words: list[str]) -> tuple[int, list[str], str]:
         i = words.index("distlm")
         return n, words[i + 1:], "horovod"
     if head in ("python", "python3") and words[1:3] == ["-m", "distlm"]:
-        return 1, words[3:], "torch"
-    if head == "distlm":
-        return 1, words[1:], "torch"
+        return int(_take(words, ("--nproc-per-node",), "1")), words[3:], "torch"
+    if head == "distlm":  # `distlm train --nproc-per-node N` starts N ranks itself
+        return int(_take(words, ("--nproc-per-node",), "1")), words[1:], "torch"
     raise AssertionError(f"not a distlm command: {' '.join(words)}")
 
 

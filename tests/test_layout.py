@@ -18,8 +18,9 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # dependency); packages that share a floor import nothing from each other. A package is
 # ``distlm.X``: a folder, or a module directly under distlm/.
 FLOORS = [
-    ("distlm.errors", "distlm.io", "distlm.local_shard"),
-    ("distlm.layout",),                 # the axes' rules run inside config validation
+    ("distlm.errors", "distlm.io", "distlm.local_shard", "distlm.cache_home"),
+    ("distlm.layout", "distlm.bytecode"),  # the axes' rules run inside config validation; the
+                                           # program's entry sets the bytecode folder before torch
     ("distlm.config",),
     ("distlm.device", "distlm.data", "distlm.checkpoint"),
     ("distlm.corpus",),                 # the offline prepare pipeline writes what data/ reads

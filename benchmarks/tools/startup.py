@@ -2,7 +2,8 @@
 in the same run, for another copy of distlm (the code before a change).
 
     python benchmarks/tools/startup.py [--config speedrun-124m] [--gpus 1,4] [--out DIR] [--cpu]
-                                       [--old DIR] [--repeat N] [--importtime] [-- OVERRIDES]
+                                       [--old DIR] [--repeat N] [--importtime] [--distlm-launch]
+                                       [-- OVERRIDES]
 
 For each GPU count, `distlm train` (torchrun above one GPU, DDP) runs 3 steps on synthetic tokens
 twice with one cache folder (train.compile_cache and DISTLM_CACHE_DIR: compiled graphs, and the
@@ -22,8 +23,10 @@ step; then the total from the launch (step 1's row in the run's metrics.csv, aga
 read just before the command started), and the difference: the seconds before distlm's process
 started at all, which above one GPU is torchrun's own start (its interpreter and torch's import)
 before it starts the ranks. --importtime runs each code once more, warm on one GPU, under
-`python -X importtime` and adds the slowest top-level imports to startup.md. --cpu runs a tiny model on the CPU (inductor's
-C++ backend): the plumbing, not figures.
+`python -X importtime` and adds the slowest top-level imports to startup.md. --distlm-launch adds,
+above one GPU, this code launched as `distlm train --nproc-per-node N` (torchrun's entry point run in
+a distlm process, so its own import of torch reads the kept bytecode: distlm/launch/local.py). --cpu
+runs a tiny model on the CPU (inductor's C++ backend): the plumbing, not figures.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ SPLIT = re.compile(r"in the compiler ([0-9.]+) s \(tracing ([0-9.]+), loading fr
                    r"compiling ([0-9.]+)\), the rest ([0-9.]+) s")
 PHASE = re.compile(r"([a-z][a-z -]+?) (\d+\.\d)(?=,|$)")
 BESIDE = re.compile(r"([a-z][a-z -]+?) (\d+\.\d) s in the background")
+DISTLM_LAUNCH = "this, distlm launch"  # `distlm train --nproc-per-node N` instead of torchrun
 CPU = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.d_ff=128", "model.block_size=32",
        "model.vocab_size=256", "model.value_embeds=1", "train.device=cpu", "train.compile=true",
        "train.global_batch_size=4", "train.micro_batch_size=2", "model.loss_chunk=0"]
@@ -136,6 +140,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeat", type=int, default=1, help="rounds of (old, this) x (cold, warm)")
     p.add_argument("--importtime", action="store_true", help="each code once more under python -X importtime")
     p.add_argument("--cpu", action="store_true", help="a tiny model on the CPU (checks the plumbing)")
+    p.add_argument("--distlm-launch", action="store_true",
+                   help="above one GPU, this code also as `distlm train --nproc-per-node N` (row 'this, distlm launch')")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +152,8 @@ def main(argv: list[str]) -> int:
             print(f"--old {args.old}: no distlm/__main__.py there (pass the folder that holds the distlm package)")
             return 2
         codes = {"old": old, "this": ROOT}
+    if args.distlm_launch:
+        codes[DISTLM_LAUNCH] = ROOT
     rows, failed, imports = [], 0, {}
 
     def train_args(gpus: int, cache: Path, name: str) -> list[str]:
@@ -158,20 +166,23 @@ def main(argv: list[str]) -> int:
         # The working folder is OUT, not a checkout: `python -m` puts it first on sys.path, and
         # the copy named by PYTHONPATH must be the one that runs.
         env = launch_env(os.environ, codes[code], cache)
-        launch = [args.python, *python_flags, "-m", "distlm"] if gpus == 1 else [
+        launch = [args.python, *python_flags, "-m", "distlm"] if gpus == 1 or code == DISTLM_LAUNCH else [
             args.python, *python_flags, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
             "-m", "distlm"]
+        nproc = [f"--nproc-per-node={gpus}"] if gpus > 1 and code == DISTLM_LAUNCH else []
         shutil.rmtree(out / "runs" / name, ignore_errors=True)
-        return subprocess.run([*launch, *train_args(gpus, cache, name)], cwd=out, env=env, capture_output=True,
-                              text=True)
+        return subprocess.run([*launch, *train_args(gpus, cache, name), *nproc], cwd=out, env=env,
+                              capture_output=True, text=True)
 
     for rep in range(args.repeat):
         for gpus in (int(g) for g in args.gpus.split(",")):
             for code in codes:
-                cache = out / f"cache-{code}-{gpus}"
+                if code == DISTLM_LAUNCH and gpus == 1:
+                    continue  # one process: no launcher either way
+                cache = out / f"cache-{code.replace(', ', '-').replace(' ', '-')}-{gpus}"
                 shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
                 for kind in ("cold", "warm"):
-                    name = f"{code}-{gpus}gpu-{kind}-{rep}"
+                    name = f"{code.replace(', ', '-').replace(' ', '-')}-{gpus}gpu-{kind}-{rep}"
                     t = time.time()
                     proc = run(code, gpus, cache, name)
                     (out / f"log-{name}.txt").write_text(proc.stdout + proc.stderr)
@@ -189,7 +200,7 @@ def main(argv: list[str]) -> int:
                     print(f"{name}: {row.get('to_first_step_s')} s to the end of step 1 ({row.get('cache')})",
                           flush=True)
     if args.importtime:
-        for code in codes:
+        for code in (c for c in codes if c != DISTLM_LAUNCH):
             proc = run(code, 1, out / f"cache-{code}-1", f"{code}-importtime", ("-X", "importtime"))
             imports[code] = slowest_imports(proc.stderr)
     if rows or imports:

@@ -4,6 +4,7 @@ signature is its command line (signature.py builds the argparse parser from it).
     distlm prepare INPUT... --out DIR [--tokenizer gpt2|bpe:N] [--task lm|classify]
     distlm train [--config FILE_OR_PRESET] [section.key=value ...] [--print-config]
     torchrun --nproc_per_node 4 -m distlm train parallel.dp_shard=4 ...
+    distlm train --nproc-per-node 4 parallel.dp_shard=4 ...   (the same ranks, torchrun's entry point run here)
     distlm eval --checkpoint RUN_OR_CKPT [--split val|train] [--json]   (a language model or a classifier)
     distlm predict --checkpoint RUN_OR_CKPT --input FILE [--out F.csv|F.jsonl]
     distlm generate --checkpoint RUN_OR_CKPT --prompt TEXT | --prompts-file F --out F.jsonl | --interactive

@@ -87,6 +87,8 @@ def train(
     overrides: Sequence[str] = (), /, *,
     config: Optional[str] = None,
     print_config: Annotated[bool, "print the resolved config as YAML and exit without training"] = False,
+    nproc_per_node: Annotated[int, "processes on this machine, started by torchrun's own entry point (one per "
+                                   "GPU): the same as torchrun --standalone --nproc_per_node N -m distlm train"] = 1,
 ) -> int:
     """Train a model (a language model, or a classifier with task=classify).
 
@@ -104,6 +106,8 @@ def train(
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
         return 0
+    if nproc_per_node != 1:
+        return _launch_train(nproc_per_node, config, overrides)
     # CUDA's driver starts on a thread while torch and the Trainer are imported (that import
     # holds the interpreter; the driver's start does not need it): distlm/train/cuda_driver.py.
     from distlm.train.cuda_driver import CudaDriverStart
@@ -122,6 +126,18 @@ def train(
             else "no validation (no val split to score)"
         print(f"done: step {summary['step']}, {scored}, checkpoint {summary['checkpoint']}")
     return 0
+
+
+def _launch_train(nproc: int, config: Optional[str], overrides: Sequence[str]) -> int:
+    """`distlm train --nproc-per-node N`: the same command, without the flag, in N ranks that
+    torchrun's entry point starts from this process (distlm/launch/local.py says why)."""
+    from distlm.launch.local import launch, under_launcher
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc}: expected a number of processes, 1 or more")
+    if under_launcher():
+        raise ConfigError("--nproc-per-node: this process is already one rank of a launch (LOCAL_RANK is "
+                          "set); give the process count to the launcher, not to each rank")
+    return launch(nproc, ["train", *(["--config", config] if config else []), *overrides])
 
 
 def evaluate(

@@ -1,0 +1,62 @@
+"""`distlm train --nproc-per-node N` (distlm/launch/local.py): N ranks started by torchrun's own
+entry point from the distlm process. On the CPU with gloo: the ranks train as a torchrun launch
+would, they read the bytecode folder the launching process chose, and a rank's error is the
+command's exit status."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlm.cli import main
+from distlm.launch.local import torchrun_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", "tiny", "train.max_steps=2", "train.device=cpu", "parallel.dp_replicate=2",
+        "train.micro_batch_size=8", "log.progress=false", "log.tensorboard=false", "log.samples=0",
+        "train.eval_every=0", "train.checkpoint_every=0"]
+
+
+def launch(args, env_extra, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "PYTHONPYCACHEPREFIX")}
+    env.update(PYTHONPATH=str(ROOT), **env_extra)
+    return subprocess.run([sys.executable, "-m", "distlm", "train", "--nproc-per-node", "2", *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_two_ranks_train_and_read_the_launchers_bytecode_folder(tmp_path):
+    folder = tmp_path / "bytecode"
+    proc = launch([*TINY, "data.source=synthetic", f"log.root={tmp_path}", "log.name=r"],
+                  {"PYTHONDONTWRITEBYTECODE": "1", "DISTLM_BYTECODE_CACHE": str(folder)}, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "device cpu x2" in proc.stdout and "done: step 2" in proc.stdout
+    assert proc.stdout.count("done: step 2") == 1  # rank 0 reports, as under torchrun
+    # Only the ranks import the Trainer (the launching process stops at the launch): its bytecode
+    # in the folder means the ranks write there too, though they inherit the launcher's
+    # PYTHONPYCACHEPREFIX and PYTHONDONTWRITEBYTECODE=1 (before, they only read).
+    trainer = Path(os.path.abspath(ROOT / "distlm" / "train" / "trainer.py"))
+    cached = folder / trainer.parent.relative_to(trainer.anchor) / f"trainer.{sys.implementation.cache_tag}.pyc"
+    assert cached.is_file(), sorted(str(p) for p in folder.rglob("*trainer*"))[:5]
+    assert (tmp_path / "r" / "metrics.csv").is_file()
+
+
+def test_a_ranks_error_is_the_commands_exit_status(tmp_path):
+    proc = launch([*TINY, f"data.dir={tmp_path / 'nowhere'}", f"log.root={tmp_path}"], {}, tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {tmp_path / 'nowhere' / 'manifest.json'}: not found" in proc.stderr
+
+
+def test_it_is_refused_inside_a_launch_and_for_no_processes(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["train", "--nproc-per-node", "2", "--config", "tiny", "train.device=cpu"]) == 2
+    assert "already one rank of a launch" in capsys.readouterr().err
+    monkeypatch.delenv("LOCAL_RANK")
+    assert main(["train", "--nproc-per-node", "0", "--config", "tiny", "train.device=cpu"]) == 2
+    assert "--nproc-per-node 0: expected a number of processes" in capsys.readouterr().err
+
+
+def test_the_ranks_get_the_command_without_the_flag():
+    assert torchrun_args(4, ["train", "--config", "speedrun-124m", "parallel.dp_replicate=4"]) == [
+        "--standalone", "--nproc_per_node=4", "-m", "distlm", "train", "--config", "speedrun-124m",
+        "parallel.dp_replicate=4"]
