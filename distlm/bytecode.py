@@ -13,8 +13,9 @@ torchrun) looks, before it imports torch, for torch's bytecode beside its source
 none it points Python's bytecode at a folder of the user's (``sys.pycache_prefix``, the
 ``PYTHONPYCACHEPREFIX`` mechanism): the first process writes it there, every later one reads
 it. Python checks each file against its source's size and time, so an upgraded package is
-compiled again, not run stale. ``PYTHONPYCACHEPREFIX`` is also set in the environment, so the
-processes distlm starts (inductor's compile workers, the data workers) read the same folder.
+compiled again, not run stale. ``PYTHONPYCACHEPREFIX`` is also set in the environment (and
+``PYTHONDONTWRITEBYTECODE`` taken out of it), so the processes distlm starts (inductor's compile
+workers, the ranks of ``distlm train --nproc-per-node``) read and write the same folder.
 
     DISTLM_BYTECODE_CACHE=auto   the default: the bytecode/ folder of distlm's cache home
                                  (distlm/cache_home.py), only where torch has no bytecode
@@ -25,8 +26,10 @@ A ``PYTHONPYCACHEPREFIX`` the user set wins. A folder that cannot be written lea
 it was: a cache only saves time. Ranks that compile one module at once do not collide: Python
 writes each file under a temporary name and renames it.
 
-torchrun's own process imports torch before distlm runs; ``PYTHONPYCACHEPREFIX`` exported in
-the shell (to the folder ``distlm env`` names) speeds that import too.
+A torchrun started from the shell imports torch before distlm runs, without this folder;
+``distlm train --nproc-per-node N`` runs torchrun's entry point after it is set
+(distlm/launch/local.py), and ``PYTHONPYCACHEPREFIX`` exported in the shell (to the folder
+``distlm env`` names) does the same for torchrun itself.
 """
 from __future__ import annotations
 
@@ -48,10 +51,7 @@ CHECKED = ("torch",)
 @dataclass(frozen=True)
 class BytecodeCache:
     folder: Optional[Path]  # where this process's bytecode goes; None: beside the sources, as Python does
-    why: str                # one phrase, for `distlm env`
-
-    def describe(self) -> str:
-        return f"bytecode cache: {self.folder} ({self.why})" if self.folder else f"bytecode cache: none ({self.why})"
+    why: str                # one phrase: what chose it
 
 
 def has_bytecode(package: str) -> Optional[bool]:

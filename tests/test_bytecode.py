@@ -31,7 +31,7 @@ def test_a_package_without_bytecode_gets_the_cache_home_folder(package, tmp_path
     assert bytecode.has_bytecode("bytecode_probe_pkg") is False
     cache = bytecode.use(env, packages=("bytecode_probe_pkg",))
     assert cache.folder == tmp_path / "home" / "bytecode"
-    assert "bytecode_probe_pkg has no bytecode" in cache.describe()
+    assert cache.why == "bytecode_probe_pkg has no bytecode beside its sources"
     assert sys.pycache_prefix == str(cache.folder) and env["PYTHONPYCACHEPREFIX"] == str(cache.folder)
     # this process and the ones it starts write there
     assert sys.dont_write_bytecode is False and "PYTHONDONTWRITEBYTECODE" not in env
