@@ -137,7 +137,8 @@ SUITE_OPTIONS = {  # every suite, and the options that add steps
                 ["--gpus", "2", "--axis", "pp", "--config", "gpt2-355m", "--set", "train.global_batch_size=32",
                  "--pp-sweep", "1,2,4,8"], ["--gpus", "4", "--classify"]],
     "time-to-loss": [["--runs", "baseline speedrun speedrun-docmask baseline@ddp4 speedrun-b64s300@ddp4 "
-                      "speedrun-b64s300@ddp4+warm speedrun-b64s450@fsdp4", "--nanogpt", "carry/nanogpt"]],
+                      "speedrun-b64s300@ddp4+warm speedrun-b64s450@fsdp4", "--nanogpt", "carry/nanogpt"],
+                     ["--runs", "speedrun@ddp4 speedrun@fsdp2", "--launcher", "distlm"]],
     "layouts": [["--gpus", "2", "--layouts", "ddp2,fsdp2,pp2,tp2", "--micro", "8,16,32", "--async-tp", "--plan",
                  "--nccl-sizes", "--host-overhead", "--profile"],
                 ["--gpus", "4"], ["--gpus", "2", "--layouts", "tp2", "--micro", "32", "--inductor",
@@ -173,6 +174,9 @@ def distlm_commands(words: list[str]):
             procs = int(w.split("=")[1])
     if "--nproc_per_node" in words[:at]:
         procs = int(words[words.index("--nproc_per_node") + 1]) * int(words[words.index("--nnodes") + 1])
+    for w in words[at:]:  # distlm train --nproc-per-node=N starts the ranks itself
+        if w.startswith("--nproc-per-node="):
+            procs = int(w.split("=")[1])
     rest = words[at:]
     config = rest[rest.index("--config") + 1] if "--config" in rest else None
     overrides = [w for w in rest[1:] if re.match(r"^[a-z_]+\.[a-z_0-9.]+=", w)]

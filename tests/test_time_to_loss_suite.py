@@ -260,3 +260,18 @@ def test_nanogpt_bench_imports_its_model_where_pythonsafepath_is_set(tmp_path):
     out = subprocess.run(argv, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONSAFEPATH": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("nanoGPT model ['--real_data=False'")
+
+
+def test_the_launcher_option_starts_distlms_multi_gpu_runs_through_distlm():
+    runs = ["--runs", "nanogpt@ddp4 speedrun speedrun@ddp4", "--nanogpt", "n", "--no-nanogpt-bench"]
+    by_name = {s.name: s.argv for s in plan([*runs, "--launcher", "distlm"])}
+    four = by_name["speedrun-at-ddp4"]
+    assert four[-1] == "--nproc-per-node=4" and "torch.distributed.run" not in four
+    assert four[four.index("py"):four.index("py") + 4] == ["py", "-m", "distlm", "train"]
+    assert "parallel.dp_replicate=4" in four
+    # one GPU needs no launcher, and nanoGPT keeps its own
+    assert "--nproc-per-node=4" not in by_name["speedrun"] and "--nproc-per-node=1" not in by_name["speedrun"]
+    assert "benchmarks/tools/nanogpt_recipe.py" in by_name["nanogpt-at-ddp4"]
+    # the default is torchrun
+    default = {s.name: s.argv for s in plan(runs)}["speedrun-at-ddp4"]
+    assert "torch.distributed.run" in default and "--nproc_per_node=4" in default

@@ -24,6 +24,9 @@ documentation (scripts/build_docs_corpus.py: docstrings of the standard library 
 licensed packages), read from --docs-corpus FILE (a docs.jsonl built on another machine and
 carried) or built on this one. Runs on docs are named docs-RUN, and each corpus gets its report.
 
+--launcher distlm starts distlm's multi-GPU runs as `distlm train --nproc-per-node N` instead of
+`torchrun ... -m distlm train` (the same ranks; torchrun's own import reads distlm's kept bytecode).
+
 --concurrent runs the one-GPU runs at once, one per GPU (CUDA_VISIBLE_DEVICES=i), --gpus of them at
 a time, each still timed from its own launch with its own compile cache; the report says which
 ran together. Multi-GPU runs, and a +warm run whose cold run is in the same batch, run after.
@@ -93,6 +96,9 @@ def add_arguments(p) -> None:
     p.add_argument("--docs-corpus", metavar="FILE", help="a docs.jsonl from scripts/build_docs_corpus.py "
                                                          "(default: build it on this machine)")
     p.add_argument("--concurrent", action="store_true", help="one-GPU runs at once, one per GPU")
+    p.add_argument("--launcher", choices=("torchrun", "distlm"), default="torchrun",
+                   help="distlm's runs above one GPU: torchrun ... -m distlm train, or distlm train --nproc-per-node N "
+                        "(torchrun's entry point in a distlm process: distlm/launch/local.py)")
     p.add_argument("--no-nanogpt-bench", action="store_true",
                    help="leave out nanoGPT's bench.py (the step-speed reference --nanogpt adds)")
 
@@ -175,6 +181,9 @@ def jobs_for(corpus: str, args, ctx: Context) -> list[Job]:
                       f"{folder}/nanogpt", "--run-dir", f"{{out}}/{{stamp}}-{name}-run", "--gpus", str(nproc),
                       "--python", ctx.python, "--launch-time", "{dir}/launch_time.txt", "--result",
                       "{dir}/result.json", *(["--cpu", "--val-blocks", "64"] if ctx.cpu else [])]
+        elif nproc > 1 and args.launcher == "distlm":
+            launch = [*ctx.distlm(["train", *train, *common, f"log.name={{stamp}}-{name}-run"]),
+                      f"--nproc-per-node={nproc}"]
         else:
             launch = ctx.distlm(["train", *train, *common, f"log.name={{stamp}}-{name}-run"], nproc)
         jobs.append(Job(name, nproc, launch, "{out}/inductor-" + cold_name, warm, cold_name))
