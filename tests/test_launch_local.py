@@ -60,3 +60,33 @@ def test_the_ranks_get_the_command_without_the_flag():
     assert torchrun_args(4, ["train", "--config", "speedrun-124m", "parallel.dp_replicate=4"]) == [
         "--standalone", "--nproc_per_node=4", "-m", "distlm", "train", "--config", "speedrun-124m",
         "parallel.dp_replicate=4"]
+
+
+def test_sigterm_to_the_launcher_reaches_the_ranks_which_save_and_stop(tmp_path):
+    """A scheduler's preemption signals the process it started: here the launcher. torchrun's agent
+    passes SIGTERM on to the ranks; the Trainer finishes its step, saves and stops, and the command
+    exits with the shell's status for SIGTERM (143), not a traceback."""
+    import signal
+    import time
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(ROOT))
+    args = [a for a in TINY if a != "train.max_steps=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "distlm", "train", "--nproc-per-node", "2", *args,
+                             "train.max_steps=100000", "data.source=synthetic", "log.every=1",
+                             f"log.root={tmp_path}", "log.name=r"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "r" / "metrics.csv"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    assert "stopped by signal SIGTERM" in err and "Traceback" not in err
+    assert "stopped:" in out and "continue with: distlm train ... log.name=r train.resume=auto" in out
+    assert list((tmp_path / "r" / "checkpoints").glob("step_*")), out

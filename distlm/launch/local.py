@@ -35,11 +35,18 @@ def torchrun_args(nproc: int, distlm_args: Sequence[str]) -> list[str]:
 
 def launch(nproc: int, distlm_args: Sequence[str]) -> int:
     """Run torchrun's entry point here; the exit status of the first rank that failed, else 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(torchrun_args(nproc, distlm_args))
+    except SignalException as e:
+        # SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C): torchrun has passed it on to the
+        # ranks and waited for them, and the Trainer saves a checkpoint before it stops. The
+        # status is the shell's for a process the signal ended; torchrun's own is a traceback.
+        print(f"stopped by signal {e.sigval.name} (ranks signalled and waited for)", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         # Each rank has printed its own error (distlm's one line, or a traceback); torchrun has
         # printed which ranks exited. Pass the first failure's status on, as a shell would see it.
