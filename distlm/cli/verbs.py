@@ -10,6 +10,7 @@ from __future__ import annotations
 import json as jsonlib
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Sequence
 
@@ -137,7 +138,10 @@ def _launch_train(nproc: int, config: Optional[str], overrides: Sequence[str]) -
     if under_launcher():
         raise ConfigError("--nproc-per-node: this process is already one rank of a launch (LOCAL_RANK is "
                           "set); give the process count to the launcher, not to each rank")
-    return launch(nproc, ["train", *(["--config", config] if config else []), *overrides])
+    status, said = launch(nproc, ["train", *(["--config", config] if config else []), *overrides])
+    if said:
+        print(said, file=sys.stderr)
+    return status
 
 
 def evaluate(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 # torchrun sets these in every rank it starts; one of them set means this process is a rank.
 RANK_ENV = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
@@ -33,8 +33,10 @@ def torchrun_args(nproc: int, distlm_args: Sequence[str]) -> list[str]:
     return ["--standalone", f"--nproc_per_node={nproc}", "-m", "distlm", *distlm_args]
 
 
-def launch(nproc: int, distlm_args: Sequence[str]) -> int:
-    """Run torchrun's entry point here; the exit status of the first rank that failed, else 0."""
+def launch(nproc: int, distlm_args: Sequence[str]) -> tuple[int, Optional[str]]:
+    """Run torchrun's entry point here. Returns the exit status (the first failed rank's, 128 +
+    the signal's when one stopped the launch, else 0) and what the command should say of it
+    (None: the ranks and torchrun have said it)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -45,14 +47,12 @@ def launch(nproc: int, distlm_args: Sequence[str]) -> int:
         # SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C): torchrun has passed it on to the
         # ranks and waited for them, and the Trainer saves a checkpoint before it stops. The
         # status is the shell's for a process the signal ended; torchrun's own is a traceback.
-        print(f"stopped by signal {e.sigval.name} (ranks signalled and waited for)", file=sys.stderr)
-        return 128 + int(e.sigval)
+        return 128 + int(e.sigval), f"stopped by signal {e.sigval.name} (ranks signalled and waited for)"
     except ChildFailedError as e:
         # Each rank has printed its own error (distlm's one line, or a traceback); torchrun has
         # printed which ranks exited. Pass the first failure's status on, as a shell would see it.
-        failure = e.get_first_failure()[1]
-        status = failure.exitcode
-        return status if 0 < status < 256 else 1
+        status = e.get_first_failure()[1].exitcode
+        return (status if 0 < status < 256 else 1), None
     finally:
         sys.stdout.flush()
-    return 0
+    return 0, None
