@@ -140,7 +140,7 @@ class TrainConfig:
                                         help="block: one graph reused by every block (works with FSDP2/TP/PP); "
                                              "model: the whole forward in one graph (1 GPU or DDP); auto = model "
                                              "where the layout allows, else block")
-    compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune",
+    compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead",
                                help="torch.compile mode (autotuning costs minutes of compile time)")
     compile_cache: str = doc("auto", "where torch.compile keeps compiled graphs, so a second run or another rank "
                                      "loads them instead of compiling: auto = $DISTLM_CACHE_DIR/compile, else "

@@ -8,7 +8,8 @@ cast, from the data path or from a graph break. This reads the Chrome trace the 
 joins each kernel to the CPU-side operator that launched it (the profiler's "External id") and to
 the innermost recorded region around that operator on its thread ("Optimizer.step#Muon.step",
 "## forward ##", a compiled graph's "Torch-Compiled Region", ...). Prints one Markdown table:
-category, region, operator, ms per step, kernels per step; largest first.
+category, region, operator, ms per step, kernels per step; largest first. --host adds the
+host thread's own time by event, for a step the host cannot feed fast enough.
 """
 from __future__ import annotations
 
@@ -83,6 +84,56 @@ def attribute(events: list[dict]) -> dict:
     return out
 
 
+def busiest_threads(events: list[dict], n: int = 2) -> list:
+    """The n CPU threads that launched the most kernels (on a CPU: ran the most operators). On
+    CUDA the backward runs on the autograd engine's own thread, so a step has two."""
+    launches: dict = defaultdict(int)
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            launches[e["tid"]] += 1
+    if not launches:  # a CPU run: the thread that ran the most operators
+        for e in events:
+            if e.get("cat") == "cpu_op":
+                launches[e["tid"]] += 1
+    return sorted(launches, key=launches.get, reverse=True)[:n]
+
+
+def host_self_times(events: list[dict], tid) -> tuple[dict, float]:
+    """Self time (own duration less its children's) of every CPU-side event on thread ``tid``,
+    by name, and the thread's busy time: where the host's time goes when the GPU waits for it
+    (the profile's "idle")."""
+    spans = sorted((e for e in events if e.get("tid") == tid and e.get("ph") == "X"
+                    and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")),
+                   key=lambda e: (e["ts"], -e.get("dur", 0)))
+    own: dict = defaultdict(float)
+    stack: list = []  # [end, name, self time so far]
+    busy = 0.0
+
+    def close(entry):
+        own[entry[1]] += entry[2]
+
+    for e in spans:
+        start, dur = e["ts"], e.get("dur", 0)
+        while stack and stack[-1][0] <= start:
+            close(stack.pop())
+        if stack:
+            stack[-1][2] -= dur
+        else:
+            busy += dur
+        stack.append([start + dur, _short(e["name"]), dur])
+    while stack:
+        close(stack.pop())
+    return own, busy
+
+
+def host_table(tid, own: dict, busy: float, steps: int, top: int) -> str:
+    lines = [f"thread {tid} busy {busy / 1e3 / steps:.2f} ms/step; self time by event:", "",
+             "| event | self ms/step |", "|---|---|"]
+    for name, us in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| `{name}` | {us / 1e3 / steps:.2f} |")
+    return "\n".join(lines)
+
+
 def table(rows: dict, steps: int, top: int, categories: set) -> str:
     items = sorted(((k, v) for k, v in rows.items() if not categories or k[0] in categories),
                    key=lambda kv: -kv[1][0])
@@ -98,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps the trace holds (profile.md says)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--category", action="append", default=[], help="only this category (repeatable)")
+    p.add_argument("--host", action="store_true", help="also the host thread's time by event (self time)")
     a = p.parse_args(argv)
     try:
         events = load(a.trace)
@@ -105,6 +157,10 @@ def main(argv=None) -> int:
         print(f"trace_ops: cannot read {a.trace}: {e}", file=sys.stderr)
         return 1
     print(table(attribute(events), a.steps, a.top, set(a.category)))
+    if a.host:
+        for tid in busiest_threads(events):
+            print()
+            print(host_table(tid, *host_self_times(events, tid), a.steps, a.top))
     return 0
 
 
