@@ -141,7 +141,8 @@ class TrainConfig:
                                              "model: the whole forward in one graph (1 GPU or DDP); auto = model "
                                              "where the layout allows, else block")
     compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead",
-                               help="torch.compile mode (autotuning costs minutes of compile time)")
+                               help="torch.compile mode (autotuning costs minutes of compile time; reduce-overhead "
+                                    "replays CUDA graphs)")
     compile_cache: str = doc("auto", "where torch.compile keeps compiled graphs, so a second run or another rank "
                                      "loads them instead of compiling: auto = $DISTLM_CACHE_DIR/compile, else "
                                      "$XDG_CACHE_HOME/distlm/compile, else ~/.cache/distlm/compile "
