@@ -114,6 +114,13 @@ def test_bench_profile_and_ceilings(tmp_path):
     import gzip
     trace = json.loads(gzip.open(tmp_path / "prof" / "trace.json.gz").read())
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])  # Perfetto reads this file
+    # The host: on a CPU the step runs on one thread, busy for most of the profiled step and no
+    # longer than it, its matmuls among its largest own times.
+    (host,) = s["host"]
+    assert 0.5 * s["step_s"] < host["busy_s"] <= s["step_s"] * 1.05
+    assert "aten::mm" in [k["name"] for k in host["top"]]
+    assert f"| {host['thread']} | {1e3 * host['busy_s']:.2f} |" in md
+    assert r["profile"]["host_busy_s"] == [host["busy_s"]]
     c = measure(torch.device("cpu"), quick=True)
     assert c["matmul_tflops_best"] > 0 and c["copy_gbs"] > 0
     assert c["ridge_flops_per_byte"] == pytest.approx(c["matmul_tflops_best"] * 1e3 / c["copy_gbs"])

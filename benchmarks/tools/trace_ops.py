@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from distlm.bench.host_time import busiest_threads, short_name, thread_times  # noqa: E402
 from distlm.bench.profile import categorize  # noqa: E402
 
 
@@ -54,14 +55,7 @@ class Regions:
             if start <= ts <= end:
                 best = name
                 break
-        return _short(best) if best else "-"
-
-
-def _short(name: str) -> str:
-    # "ProfilerStep#7" differs per step; compiled regions carry a graph id that is noise here.
-    if name.startswith("ProfilerStep"):
-        return "step"
-    return name if len(name) <= 60 else name[:57] + "..."
+        return short_name(best) if best else "-"
 
 
 def attribute(events: list[dict]) -> dict:
@@ -84,50 +78,8 @@ def attribute(events: list[dict]) -> dict:
     return out
 
 
-def busiest_threads(events: list[dict], n: int = 2) -> list:
-    """The n CPU threads that launched the most kernels (on a CPU: ran the most operators). On
-    CUDA the backward runs on the autograd engine's own thread, so a step has two."""
-    launches: dict = defaultdict(int)
-    for e in events:
-        if e.get("cat") == "cuda_runtime":
-            launches[e["tid"]] += 1
-    if not launches:  # a CPU run: the thread that ran the most operators
-        for e in events:
-            if e.get("cat") == "cpu_op":
-                launches[e["tid"]] += 1
-    return sorted(launches, key=launches.get, reverse=True)[:n]
-
-
-def host_self_times(events: list[dict], tid) -> tuple[dict, float]:
-    """Self time (own duration less its children's) of every CPU-side event on thread ``tid``,
-    by name, and the thread's busy time: where the host's time goes when the GPU waits for it
-    (the profile's "idle")."""
-    spans = sorted((e for e in events if e.get("tid") == tid and e.get("ph") == "X"
-                    and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")),
-                   key=lambda e: (e["ts"], -e.get("dur", 0)))
-    own: dict = defaultdict(float)
-    stack: list = []  # [end, name, self time so far]
-    busy = 0.0
-
-    def close(entry):
-        own[entry[1]] += entry[2]
-
-    for e in spans:
-        start, dur = e["ts"], e.get("dur", 0)
-        while stack and stack[-1][0] <= start:
-            close(stack.pop())
-        if stack:
-            stack[-1][2] -= dur
-        else:
-            busy += dur
-        stack.append([start + dur, _short(e["name"]), dur])
-    while stack:
-        close(stack.pop())
-    return own, busy
-
-
-def host_table(tid, own: dict, busy: float, steps: int, top: int) -> str:
-    lines = [f"thread {tid} busy {busy / 1e3 / steps:.2f} ms/step; self time by event:", "",
+def host_table(tid, busy_us: float, own: dict, steps: int, top: int) -> str:
+    lines = [f"thread {tid} busy {busy_us / 1e3 / steps:.2f} ms/step; self time by event:", "",
              "| event | self ms/step |", "|---|---|"]
     for name, us in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| `{name}` | {us / 1e3 / steps:.2f} |")
@@ -160,7 +112,7 @@ def main(argv=None) -> int:
     if a.host:
         for tid in busiest_threads(events):
             print()
-            print(host_table(tid, *host_self_times(events, tid), a.steps, a.top))
+            print(host_table(tid, *thread_times(events, tid), a.steps, a.top))
     return 0
 
 

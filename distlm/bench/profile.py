@@ -4,7 +4,8 @@ The torch profiler records a few real training steps; every kernel (on CUDA) or 
 operator (on CPU) is put in one category, so the gap between achieved and peak FLOP/s
 is explained by measurement: how much is matmul, attention, fused element-wise work,
 the optimizer, communication, copies. Writes profile.md (the split and the top
-kernels), profile.json and a Chrome trace (open it in Perfetto).
+kernels, and how busy the host's threads were), profile.json and a Chrome trace (open it in
+Perfetto).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from distlm.bench.host_time import host_summary
 from distlm.io import atomic_write_text
 
 # First match wins. Kernel names differ by library and torch version, hence the patterns:
@@ -162,6 +164,14 @@ def markdown(s: dict, title: str) -> str:
                            ("comm_exposed_s", "communication alone (exposed)"),
                            ("idle_s", "no kernel (host, launch gaps, waits)")):
             lines.append(f"| {label} | {1e3 * t[key]:.2f} | {100 * t[key] / step:.1f} |")
+    host = s.get("host")
+    if host:
+        lines += ["", "On the host (the threads that issued the most work; the profiler slows them, so these are upper "
+                  "bounds). A GPU with idle time whose host threads are busy for most of the step waits for the host:", "",
+                  "| thread | busy ms/step | largest own times (ms/step) |", "|---|---|---|"]
+        for t in host:
+            largest = ", ".join(f"`{k['name'].replace('|', '/')}` {1e3 * k['s_per_step']:.2f}" for k in t["top"][:5])
+            lines.append(f"| {t['thread']} | {1e3 * t['busy_s']:.2f} | {largest} |")
     lines += ["", "Top kernels:", "", "| kernel | category | ms/step | calls/step |", "|---|---|---|---|"]
     for k in s["top"]:
         name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
@@ -197,6 +207,13 @@ def profile_steps(trainer, steps: int, out_dir: Path, title: str) -> dict:
     s["title"] = title
     tmp = out_dir / "trace.json.tmp"
     prof.export_chrome_trace(str(tmp))
+    # The host's threads, read back from the trace (the profiler's own event list does not
+    # nest them); a trace that cannot be read costs only this table.
+    try:
+        with open(tmp) as f:
+            s["host"] = host_summary(json.load(f).get("traceEvents", []), steps)
+    except (OSError, ValueError):
+        s["host"] = []
     with open(tmp, "rb") as src, gzip.open(out_dir / "trace.json.gz.tmp", "wb") as dst:
         shutil.copyfileobj(src, dst)
     tmp.unlink()

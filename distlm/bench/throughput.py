@@ -203,7 +203,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "pp_microbatches": trainer.stepper.n_microbatches,
         "date": time.strftime("%Y-%m-%d"), "memory_cap_gib": memory_cap_gib or None, "run_dir": str(trainer.run_dir),
         "profile": prof and {"dir": str(profile_dir), "categories_s": prof["categories_s"], "idle_s": prof["idle_s"],
-                            "timeline_s": prof.get("timeline")},
+                            "timeline_s": prof.get("timeline"), "host_busy_s": [t["busy_s"] for t in prof.get("host", [])]},
     }
     return result
 
@@ -252,6 +252,10 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
             print(f"timeline (ms per step, this rank's GPU): compute {1e3 * t['compute_s']:.1f}, "
                   f"communication hidden {1e3 * t['comm_hidden_s']:.1f}, exposed {1e3 * t['comm_exposed_s']:.1f}, "
                   f"no kernel {1e3 * t['idle_s']:.1f}")
+        busy = r["profile"].get("host_busy_s")
+        if busy:
+            print(f"host (ms per step, profiled): the {len(busy)} busiest thread{'s' if len(busy) > 1 else ''} "
+                  f"busy {' + '.join(f'{1e3 * b:.1f}' for b in busy)}")
     spread = r.get("mesh_spread")
     if spread and spread["nodes"] > 1:
         print(f"{spread['nodes']} nodes; the process groups of each mesh axis span at most: " + ", ".join(
