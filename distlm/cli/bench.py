@@ -30,7 +30,8 @@ def bench(
     no_comm_probe: Annotated[bool, "skip the window without gradient sync (exposed communication)"] = False,
     allow_cpu: Annotated[bool, "run a GPU-sized model on a CPU anyway"] = False,
     profile: Annotated[Optional[str], "also profile a few steps into this folder (torch profiler): device "
-                                      "time by category, top kernels, a Chrome trace"] = None,
+                                      "time by category, top kernels, how busy the host's threads were, a "
+                                      "Chrome trace"] = None,
     memory_cap_gib: Annotated[float, "cap each process's GPU memory, e.g. 79 to check that a run fits an "
                                      "80 GB card; 0 = no cap"] = 0.0,
     scaling: Annotated[Optional[str], "e.g. 1,2,4: run at each world size (torchrun) and report scaling"] = None,
