@@ -8,11 +8,11 @@ piece of some matrix-shaped tensor (a momentum, a gradient), and hands each piec
 transformed, as the same local piece of the transformed whole matrix:
 
   - matrices of one (mesh, placements, shape, tag) are stacked and dealt to the ranks in
-    turn. The stack, sharded as each matrix is (replicated under DDP), is redistributed so
-    that every rank holds its share as whole matrices (a local slice under DDP, an
-    all-to-all under FSDP2 or TP, done by DTensor), transformed there as one batch, and
-    redistributed back (an all-gather under DDP). One redistribution pair per bucket,
-    whatever the model's depth.
+    turn. The stack, sharded as each matrix is, is redistributed by DTensor so that every
+    rank holds its share as whole matrices (an all-to-all under FSDP2 or TP), transformed
+    there as one batch, and redistributed back. Under DDP, where every rank holds every
+    matrix, each rank stacks its own share and the results come back in one all-gather.
+    One redistribution pair per bucket, whatever the model's depth.
   - with no one to share the work with (one process, pipeline stages without data
     parallelism, Horovod), every rank transforms the matrices it holds, as one batch.
 
@@ -167,9 +167,10 @@ class WholeMatrices:
         """The DDP case: every rank holds every matrix whole. The same dealing and the same
         stack as the DTensor path, but this rank stacks only its own share, and the results
         travel back in one all-gather on the DDP group. DTensor's redistribution of a
-        replicated stack is that slice and that all-gather; on the host it cost about 2 ms a
-        step of speedrun-124m under DDP2 (2 x H200, 2026-11-28), where the step waits for the
-        host, and every rank stacked and cast all of the matrices to keep 1/n of them."""
+        replicated stack is that slice and that all-gather, at about 2 ms of host time a step
+        of speedrun-124m under DDP2, a step that waits for its host, and every rank stacked and
+        cast all of the matrices to keep 1/n of them. Without it the optimizer's phase of that
+        step went from 9.8 to 8.1 ms (2 x H200, 2026-11-28: docs/results/speed.md)."""
         n = mesh.size()
         per, slots = _deal(len(pieces), n, cursor, mesh)
         me = flat_coordinate(mesh)
