@@ -76,6 +76,7 @@ def test_the_program_writes_torchs_bytecode_once_and_the_next_process_reads_it(t
     torch's bytecode lands in the folder, and a second process reads it from there."""
     folder = tmp_path / "bytecode"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "DISTLM_BYTECODE_CACHE": str(folder),
+           "DISTLM_BYTECODE_PRECOMPILE": "off",  # the import alone writes it (the background compile: below)
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("PYTHONPYCACHEPREFIX", None)
     first = subprocess.run([sys.executable, "-m", "distlm", "env"], capture_output=True, text=True, env=env,
@@ -94,3 +95,82 @@ def test_the_program_writes_torchs_bytecode_once_and_the_next_process_reads_it(t
     assert second.returncode == 0, second.stderr
     assert second.stdout.split() == [str(cached), str(folder)]
     assert cached.stat().st_mtime_ns == stamp  # read, not written again
+
+
+# ---- the background compile of a cold start ----------------------------------------------------
+
+def _tree(root: Path) -> None:
+    """A package with files at the top, a subpackage and a file that does not compile."""
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("VALUE = 1\n")
+    (root / "helpers.py").write_text("def f():\n    return 2\n")
+    (root / "sub" / "__init__.py").write_text("")
+    (root / "sub" / "broken.py").write_text("def (:\n")
+
+
+def _cached(folder: Path, source: Path) -> Path:
+    source = Path(os.path.abspath(source))
+    return folder / source.parent.relative_to(source.anchor) / f"{source.stem}.{sys.implementation.cache_tag}.pyc"
+
+
+def test_a_cold_folder_gets_the_packages_compiled_in_the_background(package, tmp_path):
+    _tree(package)
+    folder = tmp_path / "bytecode"
+    env = {"DISTLM_BYTECODE_CACHE": str(folder), "PYTHONPATH": str(ROOT)}
+    cache = bytecode.use(env, packages=("bytecode_probe_pkg",))
+    assert bytecode.precompile_roots(folder, ("bytecode_probe_pkg", "no_such_package_anywhere")) == [package]
+    proc = bytecode.precompile_in_background(cache, env, packages=("bytecode_probe_pkg",))
+    assert proc is not None
+    # While it runs, the lock keeps a second process (another rank) from starting another.
+    assert (folder / "precompile.lock").exists()
+    assert bytecode.precompile_in_background(cache, env, packages=("bytecode_probe_pkg",)) is None
+    assert proc.wait(timeout=120) == 0
+    for source in ("__init__.py", "helpers.py", "sub/__init__.py"):
+        assert _cached(folder, package / source).is_file(), source
+    assert not _cached(folder, package / "sub" / "broken.py").exists()  # left for the import to report
+    assert not (folder / "precompile.lock").exists()
+    # Warm now: nothing to do.
+    assert bytecode.precompile_roots(folder, ("bytecode_probe_pkg",)) == []
+    assert bytecode.precompile_in_background(cache, env, packages=("bytecode_probe_pkg",)) is None
+
+
+def test_it_can_be_switched_off_and_a_stale_lock_is_taken_over(package, tmp_path):
+    _tree(package)
+    folder = tmp_path / "bytecode"
+    folder.mkdir()
+    cache = bytecode.BytecodeCache(folder, "test")
+    off = {"DISTLM_BYTECODE_PRECOMPILE": "off", "PYTHONPATH": str(ROOT)}
+    assert bytecode.precompile_in_background(cache, off, packages=("bytecode_probe_pkg",)) is None
+    lock = folder / "precompile.lock"
+    lock.write_text("")
+    env = {"PYTHONPATH": str(ROOT)}
+    assert bytecode.precompile_in_background(cache, env, packages=("bytecode_probe_pkg",)) is None  # a fresh lock
+    old = lock.stat().st_mtime - bytecode.LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    proc = bytecode.precompile_in_background(cache, env, packages=("bytecode_probe_pkg",))
+    assert proc is not None and proc.wait(timeout=120) == 0
+    assert _cached(folder, package / "helpers.py").is_file()
+    # No folder (an installation that keeps its own bytecode): nothing starts.
+    assert bytecode.precompile_in_background(bytecode.BytecodeCache(None, "x"), env) is None
+
+
+def test_torchs_own_files_come_first_then_the_subpackages_a_run_imports_first(tmp_path):
+    torch_dir = tmp_path / "torch"
+    for sub in ("ao", "_inductor", "nn", "utils"):
+        (torch_dir / sub).mkdir(parents=True)
+        (torch_dir / sub / "m.py").write_text("")
+    (torch_dir / "__init__.py").write_text("")
+    (torch_dir / "zz.py").write_text("")
+    order = [str(p.relative_to(torch_dir)) for p in bytecode._sources(torch_dir)]
+    assert order == ["__init__.py", "zz.py", "utils/m.py", "nn/m.py", "_inductor/m.py", "ao/m.py"]
+
+
+def test_the_program_starts_the_background_compile_with_the_folder_it_chose(monkeypatch):
+    from distlm import cli
+    chosen = bytecode.BytecodeCache(Path("/somewhere"), "test")
+    calls = []
+    monkeypatch.setattr(bytecode, "use", lambda: chosen)
+    monkeypatch.setattr(bytecode, "precompile_in_background", lambda cache: calls.append(cache))
+    monkeypatch.setattr(cli, "main", lambda: 0)
+    assert cli.run() == 0
+    assert calls == [chosen]

@@ -88,8 +88,9 @@ def build_parser() -> Parser:
 def run() -> int:
     """The program's entry (`distlm`, `python -m distlm`, each rank under torchrun): first where
     Python keeps the bytecode of the imports to come (torch's is seconds: distlm/bytecode.py),
-    then the command line. Tests call ``main`` and leave the interpreter as it is."""
-    bytecode.use()
+    with a background compile of it on a cold start, then the command line. Tests call ``main``
+    and leave the interpreter as it is."""
+    bytecode.precompile_in_background(bytecode.use())
     return main()
 
 
