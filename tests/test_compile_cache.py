@@ -11,6 +11,7 @@ import pytest
 
 from distlm.config import ConfigError, load_config
 from distlm.train.compile_cache import INDUCTOR_ENV, CompileCache, cache_root
+from distlm.train.compile_workers import ENV as WORKERS_ENV, CompileWorkers, share, usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
@@ -60,9 +61,9 @@ def test_an_empty_setting_is_refused():
         load_config("tiny", ["train.compile_cache="])
 
 
-def _train(folder: Path, runs: Path, name: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != INDUCTOR_ENV}
-    env["PYTHONPATH"] = str(ROOT)
+def _train(folder: Path, runs: Path, name: str, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, WORKERS_ENV, "LOCAL_WORLD_SIZE")}
+    env.update(extra_env, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "distlm", "train", "--config", "tiny", *SMALL,
                            f"train.compile_cache={folder}", f"log.root={runs}", f"log.name={name}"],
                           env=env, capture_output=True, text=True, timeout=900, check=True)
@@ -76,6 +77,7 @@ def test_a_second_run_loads_what_the_first_compiled(tmp_path):
     folder = tmp_path / "cache"
     first = _train(folder, tmp_path / "runs", "a")
     assert f"compile cache: {folder} (cold, empty; train.compile_cache)" in first.stdout, first.stdout
+    assert f"compile workers: {share(usable_cores(), 1)} a rank (torch's default)" in first.stdout, first.stdout
     cold = re.search(r"compile cache (\w+): (\d+) graphs loaded, (\d+) compiled", first.stdout)
     assert cold and cold.group(1) == "cold" and cold.group(2) == "0" and int(cold.group(3)) > 0, first.stdout
     assert any((folder / "fxgraph").rglob("*")), "nothing written to the cache folder"
@@ -83,7 +85,11 @@ def test_a_second_run_loads_what_the_first_compiled(tmp_path):
     shutil.copytree(folder, moved)
     shutil.rmtree(folder)
     folder = moved
-    second = _train(folder, tmp_path / "runs", "b")
+    # as one of 2 ranks on this host (LOCAL_WORLD_SIZE, as torchrun sets it): half the workers
+    second = _train(folder, tmp_path / "runs", "b", LOCAL_WORLD_SIZE="2")
+    cores = usable_cores()
+    assert (f"compile workers: {share(cores, 2)} a rank ({cores} cores shared by 2 ranks on this host)"
+            in second.stdout), second.stdout
     assert re.search(rf"compile cache: {re.escape(str(folder))} \(warm, \d+ files", second.stdout), second.stdout
     warm = re.search(r"compile cache (\w+): (\d+) graphs loaded, (\d+) compiled", second.stdout)
     assert warm and warm.group(1) == "warm" and warm.group(2) == cold.group(3) and warm.group(3) == "0", second.stdout
@@ -96,3 +102,34 @@ def test_a_second_run_loads_what_the_first_compiled(tmp_path):
     # the same losses: what was loaded is what was compiled
     loss = re.compile(r"step +2/2 .*?loss ([0-9.]+)")
     assert loss.search(first.stdout).group(1) == loss.search(second.stdout).group(1)
+
+
+# ---- compile workers: each rank of a host its share of the cores ------------------------------
+def test_each_rank_of_a_host_gets_its_share_of_the_cores():
+    assert [share(64, n) for n in (1, 2, 4, 8)] == [32, 32, 16, 8]  # torch's cap of 32 stays
+    assert share(16, 1) == 16 and share(2, 4) == 1 and share(1, 1) == 1
+    alone = {}
+    workers = CompileWorkers.set(alone, cores=64)
+    assert workers.count == 32 and WORKERS_ENV not in alone  # one process: torch's own choice, untouched
+    four = {"LOCAL_WORLD_SIZE": "4"}
+    workers = CompileWorkers.set(four, cores=64)
+    assert workers.count == 16 and four[WORKERS_ENV] == "16"
+    assert workers.describe() == "compile workers: 16 a rank (64 cores shared by 4 ranks on this host)"
+    horovod = {"HOROVOD_LOCAL_SIZE": "8"}
+    assert CompileWorkers.set(horovod, cores=64).count == 8 and horovod[WORKERS_ENV] == "8"
+    mine = {"LOCAL_WORLD_SIZE": "4", WORKERS_ENV: "3"}  # the user's own setting wins
+    assert CompileWorkers.set(mine, cores=64).count == 3 and mine[WORKERS_ENV] == "3"
+    for bad in ("0", "four", "-2"):
+        with pytest.raises(ConfigError, match=f"{WORKERS_ENV}='{bad}'"):
+            CompileWorkers.set({WORKERS_ENV: bad}, cores=64)
+
+
+def test_inductor_takes_the_count_from_the_variable():
+    """The variable is where inductor reads its count when it is imported (and its workers
+    inherit it): a torch that stopped reading it would fail here."""
+    env = dict(os.environ, LOCAL_WORLD_SIZE="4")
+    env.pop(WORKERS_ENV, None)
+    CompileWorkers.set(env, cores=12)
+    out = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; print(c.compile_threads)"],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-1] == "3"

@@ -32,6 +32,7 @@ from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.group import background_save_group
 from distlm.train.compile_cache import CompileCache
+from distlm.train.compile_workers import CompileWorkers
 from distlm.train.cuda_driver import local_rank
 from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
@@ -63,6 +64,8 @@ class Trainer:
         # set first: the compiler reads it from the environment.
         compiled = compiles(cfg.train, self.device.type)  # decided before fast_defaults runs, by its rule
         self.compile_cache = CompileCache.open(cfg.train.compile_cache) if compiled else None
+        # And how many compile workers this rank may start: its share of the host's cores.
+        self.compile_workers = CompileWorkers.set() if compiled else None
         compiler = start_compiler_import(compiled, self.device)
         check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
@@ -166,6 +169,7 @@ class Trainer:
         cache = self.compile_cache
         if cache is not None and self.dims.is_main:
             print(cache.warning or cache.describe(), file=sys.stderr if cache.warning else sys.stdout, flush=True)
+            print(self.compile_workers.describe(), flush=True)
 
     def _agreed_seconds(self, seconds: float) -> float:
         if not self.dims.is_distributed:
