@@ -9,15 +9,21 @@ the launches can issue them: `speedrun-124m` at 16 sequences a GPU, the share of
 GPUs, is such a step (docs/results/speed.md). This builds the preset at a narrow width (64 wide,
 64 tokens, a 512-token vocabulary; the layer count and every option kept, so the same graphs and the
 same kernels are issued, each on a few thousand numbers) and times each phase on the host clock:
-the median over ``--reps`` steps after three that compile. On a GPU the phases are timed without
-waiting for the device, whose queue these kernels never fill, so the figures are the host's.
+the median over ``--reps`` steps after three that compile, every variant taking a step in turn so
+that a drifting load touches each alike. On a GPU the phases are timed without waiting for the
+device, whose queue these kernels never fill, so the figures are the host's: Python, the dispatcher,
+the compiled graphs' wrappers and the launches.
 
 For each compile scope (``eager``: nothing compiled; ``block``: each block, the head with the loss
 and the regions between the blocks, train.compile_scope=block; ``model``: one graph) it gives
 forward, backward and optimizer milliseconds. For ``block`` it also gives what each compiled region
 between the blocks (GPT.compiled_regions) costs the host against the same code run eagerly: the
-difference of the step with and without that region compiled, per call. On the CPU the eager
-kernels run on the timing thread, so those figures include their (small) arithmetic.
+difference of the step with and without that region compiled, per call.
+
+On the CPU the kernels run on the timing thread, so the figures include their (small) arithmetic
+and differ in kind from a GPU host's: a compiled CPU kernel is a C++ function (run here on one
+thread, since an OpenMP start at every call would swamp the rest), a compiled GPU kernel a Triton
+launch. What a GPU host pays is measured with ``--device cuda`` on that host.
 """
 from __future__ import annotations
 
@@ -56,32 +62,39 @@ def build(config: str, overrides: list[str], scope: str, device: torch.device, e
     return model, build_optimizer(model, cfg, device.type, ns_dtype=ns_dtype), cfg
 
 
-def time_steps(model, optimizer, cfg, device: torch.device, reps: int) -> dict[str, float]:
-    """Median host milliseconds of each phase."""
-    g = torch.Generator().manual_seed(0)
-    vocab = cfg.model.vocab_size
-    x = torch.randint(0, vocab, (1, TOKENS), generator=g).to(device)
-    y = torch.randint(0, vocab, (1, TOKENS), generator=g).to(device)
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
-    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    for i in range(WARMUP + reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # each step starts with the device's queue empty
+class Variant:
+    """One model and optimizer, stepped one step at a time, so that variants can take turns: on a
+    small, shared machine the load drifts within seconds, and turns give each variant the same."""
+
+    def __init__(self, model, optimizer, cfg, device: torch.device):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        g = torch.Generator().manual_seed(0)
+        vocab = cfg.model.vocab_size
+        self.x = torch.randint(0, vocab, (1, TOKENS), generator=g).to(device)
+        self.y = torch.randint(0, vocab, (1, TOKENS), generator=g).to(device)
+        self.phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+
+    def step(self, record: bool) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # each step starts with the device's queue empty
         t0 = time.perf_counter()
-        with autocast:
-            loss = model(x, targets=y)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss = self.model(self.x, targets=self.y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        if i >= WARMUP:
-            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[name].append(seconds)
-    out = {name: 1e3 * statistics.median(values) for name, values in phases.items()}
-    out["step"] = sum(out.values())
-    return out
+        if record:
+            for name, seconds in zip(self.phases, (t1 - t0, t2 - t1, t3 - t2)):
+                self.phases[name].append(seconds)
+
+    def medians(self) -> dict[str, float]:
+        """Median host milliseconds of each phase, and their sum."""
+        out = {name: 1e3 * statistics.median(values) for name, values in self.phases.items()}
+        out["step"] = sum(out.values())
+        return out
 
 
 def region_calls(model: GPT, name: str) -> int:
@@ -104,31 +117,36 @@ def region_calls(model: GPT, name: str) -> int:
 
 
 def report(config: str, overrides: list[str], scopes: list[str], device: torch.device, reps: int) -> str:
-    lines = [f"# The host's side of a step: `{config}` at a narrow width ({', '.join(NARROW + overrides)}), "
-             f"1 x {TOKENS} tokens, {device.type}, torch {torch.__version__}", "",
-             "| compile scope | forward ms | backward ms | optimizer ms | step ms |", "|---|---|---|---|---|"]
-    block = None
+    variants: dict[tuple[str, str], Variant] = {}  # (scope, region run eagerly or "") -> variant
     for scope in scopes:
-        torch._dynamo.reset()
-        model, optimizer, cfg = build(config, overrides, scope, device)
-        t = time_steps(model, optimizer, cfg, device, reps)
-        if scope == "block":
-            block = (model, t)
-        lines.append(f"| {scope} | {t['forward']:.2f} | {t['backward']:.2f} | {t['optimizer']:.2f} | {t['step']:.2f} |")
-    if block is not None and block[0].compiled_regions:
-        model, compiled = block
+        variants[scope, ""] = Variant(*build(config, overrides, scope, device), device)
+    regions = variants["block", ""].model.compiled_regions if "block" in scopes else ()
+    for name in regions:
+        variants["block", name] = Variant(*build(config, overrides, "block", device, eager_regions=(name,)), device)
+    for variant in variants.values():  # the first steps compile, one variant after another
+        for _ in range(WARMUP):
+            variant.step(record=False)
+    for _ in range(reps):  # then the variants take turns, a step each
+        for variant in variants.values():
+            variant.step(record=True)
+    t = {key: variant.medians() for key, variant in variants.items()}
+    lines = [f"# The host's side of a step: `{config}` at a narrow width ({', '.join(NARROW + overrides)}), "
+             f"1 x {TOKENS} tokens, {device.type}, torch {torch.__version__}, median of {reps} steps taken in turns", "",
+             "| compile scope | forward ms | backward ms | optimizer ms | step ms |", "|---|---|---|---|---|"]
+    for scope in scopes:
+        m = t[scope, ""]
+        lines.append(f"| {scope} | {m['forward']:.2f} | {m['backward']:.2f} | {m['optimizer']:.2f} | {m['step']:.2f} |")
+    if regions:
         lines += ["", "Each region between the blocks compiled (scope `block`) against the same code run eagerly, "
                   "everything else compiled in both: the difference in host microseconds per call (positive: "
                   "the compiled region costs the host more).", "",
                   "| region | calls a step | forward, compiled − eager | backward, compiled − eager |",
                   "|---|---|---|---|"]
-        for name in model.compiled_regions:
-            calls = region_calls(model, name)
-            torch._dynamo.reset()
-            eager_model, optimizer, cfg = build(config, overrides, "block", device, eager_regions=(name,))
-            eager = time_steps(eager_model, optimizer, cfg, device, reps)
+        compiled = t["block", ""]
+        for name in regions:
+            calls = region_calls(variants["block", ""].model, name)
             # Only the region differs between the two models, so the difference in each phase is its own.
-            fwd, bwd = (1e3 * (compiled[phase] - eager[phase]) / calls for phase in ("forward", "backward"))
+            fwd, bwd = (1e3 * (compiled[phase] - t["block", name][phase]) / calls for phase in ("forward", "backward"))
             lines.append(f"| `{name}` | {calls} | {fwd:+.0f} µs | {bwd:+.0f} µs |")
     return "\n".join(lines) + "\n"
 
@@ -148,6 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [s for s in scopes if s not in ("eager", "block", "model")]
     if bad:
         parser.error(f"--scopes: {bad[0]!r} is not eager, block or model")
+    if args.device == "cpu":
+        # One thread: a compiled CPU kernel opens an OpenMP parallel region at every call, whose
+        # start-up on a few cores costs more than the Python around it; a GPU's host has no such cost.
+        torch.set_num_threads(1)
     text = report(args.config, overrides, scopes, torch.device(args.device), args.reps)
     print(text, end="")
     if args.out:
