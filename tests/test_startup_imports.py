@@ -56,28 +56,3 @@ print(json.dumps(seen[0]))
 """
     loaded = _python(code)
     assert loaded == [], f"imported before the first step: {loaded}"
-
-
-def test_a_model_built_on_meta_does_not_import_the_compiler():
-    """``on_meta()`` (distlm/model/meta.py) builds the same meta parameters as ``torch.device("meta")``
-    without running the constructors' random fills, whose meta forms import torch._dynamo on first
-    use: the seconds `distlm eval`, `generate` and `plan` would pay for a compiler they never use."""
-    code = """
-import json, sys, torch
-from distlm.config import load_config
-from distlm.model.gpt import GPT, count_params
-from distlm.model.meta import on_meta
-cfg = load_config("speedrun-124m", ["model.vocab_size=50257"]).model
-with on_meta():
-    quiet = GPT(cfg)
-counted = count_params(cfg, non_embedding=False)
-after_on_meta = "torch._dynamo" in sys.modules
-with torch.device("meta"):
-    plain = GPT(cfg)
-after_plain = "torch._dynamo" in sys.modules
-same = {k: (tuple(v.shape), str(v.dtype)) for k, v in quiet.state_dict().items()} == \\
-       {k: (tuple(v.shape), str(v.dtype)) for k, v in plain.state_dict().items()}
-print(json.dumps([after_on_meta, after_plain, same, all(p.is_meta for p in quiet.parameters()),
-                  counted == plain.num_params(non_embedding=False)]))
-"""
-    assert _python(code) == [False, True, True, True, True]

@@ -22,7 +22,6 @@ from distlm.config import ConfigError, ModelConfig
 from distlm.local_shard import local_shard
 from distlm.model.attention import attend, block_mask, dense_mask, document_ids, flex_usable
 from distlm.model.loss import chunked_head_loss, lm_loss
-from distlm.model.meta import on_meta
 
 
 class RMSNorm(nn.Module):
@@ -504,7 +503,7 @@ class GPT(nn.Module):
 
 def count_params(cfg: ModelConfig, non_embedding: bool = True) -> int:
     """num_params of the whole model, built on the meta device (a pipeline rank holds a part)."""
-    with on_meta():
+    with torch.device("meta"):
         return GPT(cfg).num_params(non_embedding)
 
 

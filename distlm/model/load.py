@@ -15,7 +15,6 @@ import torch.nn as nn
 
 from distlm.config import Config, config_from_dict
 from distlm.data import read_json
-from distlm.model.meta import on_meta
 
 
 @dataclass
@@ -54,7 +53,7 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu", task: Opt
                                    f"{'language model' if task == 'lm' else 'classifier'} (use {use})")
     labels = label_info(folder, cfg) if cfg.task.name == "classify" else {}
     check_model_fits(cfg, device, folder, samples, cfg.model.block_size + new_tokens if samples else 0)
-    with on_meta():
+    with torch.device("meta"):
         model = _module(cfg, labels)
     model.to_empty(device=device)
     model.init_buffers(torch.device(device))

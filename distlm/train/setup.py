@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 import torch
 
 from distlm.config import Config, ConfigError
-from distlm.model.meta import on_meta
 from distlm.parallel import ParallelDims, ParallelPlan, parallelize
 
 
@@ -108,7 +107,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clo
             lap("compiler import")
     else:
         lap("compiler import")
-    with on_meta():
+    with torch.device("meta"):
         inner = task.build_model(cfg)
 
     def materialize(m) -> None:
