@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Iterator, MutableMapping, Optional, Sequence
 
 from distlm.cache_home import cache_home, unusable
+from distlm.host import usable_cores
 
 OWN_ENV = "DISTLM_BYTECODE_CACHE"
 PYTHON_ENV = "PYTHONPYCACHEPREFIX"
@@ -187,7 +188,7 @@ def precompile_in_background(cache: BytecodeCache, environ: MutableMapping[str, 
     lock = _lock(cache.folder)
     if lock is None:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     env = dict(environ, **{PYTHON_ENV: str(cache.folder)})
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     try:

@@ -11,7 +11,8 @@ import pytest
 
 from distlm.config import ConfigError, load_config
 from distlm.train.compile_cache import INDUCTOR_ENV, CompileCache, cache_root
-from distlm.train.compile_workers import ENV as WORKERS_ENV, CompileWorkers, share, usable_cores
+from distlm.host import usable_cores
+from distlm.train.compile_workers import ENV as WORKERS_ENV, CompileWorkers, share
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",

@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # dependency); packages that share a floor import nothing from each other. A package is
 # ``distlm.X``: a folder, or a module directly under distlm/.
 FLOORS = [
-    ("distlm.errors", "distlm.io", "distlm.local_shard", "distlm.cache_home"),
+    ("distlm.errors", "distlm.io", "distlm.local_shard", "distlm.cache_home", "distlm.host"),
     ("distlm.layout", "distlm.bytecode"),  # the axes' rules run inside config validation; the
                                            # program's entry sets the bytecode folder before torch
     ("distlm.config",),

@@ -75,6 +75,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from distlm.host import usable_cores
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "gutenberg" / "gutenberg.tar.xz"
 SHAPES = ("small-files", "jsonl", "huge")
 SMALL_FILE_BYTES = 1 << 20
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="for drawing paragraphs into documents")
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     counts = sorted({min(int(w), cores) for w in args.workers.split(",")})
     args.out.mkdir(parents=True, exist_ok=True)
     print(machine(), flush=True)

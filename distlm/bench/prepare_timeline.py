@@ -48,6 +48,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from distlm.host import usable_cores
+
 ROWS = {"small-files": (1 << 20, ".txt"), "jsonl": (16 << 20, ".jsonl"), "huge-txt": (None, ".txt"),
         "huge-jsonl": (None, ".jsonl")}  # row: (bytes a file, None for one file of the whole size; suffix)
 
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r not in ROWS:
             raise SystemExit(f"--rows: unknown row {r!r} (choose from {', '.join(ROWS)})")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     counts = [int(w) for w in args.workers.split(",")] if args.workers else [cores]
     from distlm.bench.prepare_speed import in_fresh_process, machine
     print(machine(), flush=True)

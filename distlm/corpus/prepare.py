@@ -70,6 +70,7 @@ from distlm.corpus.worker import encode_unit
 from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
                          same_tokenizer, shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
+from distlm.host import usable_cores
 
 # Settings read at call time from this module (tests and tools set them here).
 CACHE_CHARS = 256 << 20  # bpe:N: corpora up to this size are read once to train it; bigger ones twice
@@ -273,4 +274,4 @@ def task_chars(total_bytes: int) -> int:
 def _default_workers(disk_bytes: int) -> int:
     if disk_bytes < POOL_MIN_BYTES:
         return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()

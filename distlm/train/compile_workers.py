@@ -25,17 +25,11 @@ from dataclasses import dataclass
 from typing import MutableMapping, Optional
 
 from distlm.config import ConfigError
+from distlm.host import local_ranks, usable_cores
 
 ENV = "TORCHINDUCTOR_COMPILE_THREADS"
 # torch's own cap (torch._inductor.config.decide_compile_threads)
 TORCH_CAP = 32
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, which cgroups and taskset narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def share(cores: int, local_ranks: int) -> int:
@@ -57,7 +51,7 @@ class CompileWorkers:
         in the environment stays; so does torch's own where this is the only rank on the host."""
         environ = os.environ if environ is None else environ
         cores = usable_cores() if cores is None else cores
-        local = _local_ranks(environ)
+        local = local_ranks(environ)
         given = environ.get(ENV, "").strip()
         if given:
             if not given.isdigit() or int(given) < 1:
@@ -79,11 +73,3 @@ class CompileWorkers:
     def describe(self) -> str:
         return f"compile workers: {self.count} a rank ({self.source})"
 
-
-def _local_ranks(environ: MutableMapping[str, str]) -> int:
-    for name in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"):
-        try:
-            return max(1, int(environ.get(name, "")))
-        except ValueError:
-            continue
-    return 1

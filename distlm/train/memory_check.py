@@ -9,6 +9,7 @@ import torch
 from distlm.config import Config
 from distlm.model.memory import GIB, check_fits, host_available_bytes, position_table_bytes
 from distlm.train.fast_defaults import Device, memory_estimate
+from distlm.host import local_ranks
 
 
 def check_memory(cfg: Config, device: torch.device, dims, comm=None) -> None:
@@ -28,8 +29,7 @@ def check_memory(cfg: Config, device: torch.device, dims, comm=None) -> None:
         have = float(host_available_bytes())
         if distributed:
             have = -float(comm.max(torch.tensor([-have], dtype=torch.float64))[0])
-        # processes on this host: torchrun's LOCAL_WORLD_SIZE, horovodrun's HOROVOD_LOCAL_SIZE
-        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("HOROVOD_LOCAL_SIZE", "1")))
+        per_host = local_ranks(os.environ)
         where = "this machine's RAM" + (f", shared by its {per_host} processes," if per_host > 1 else "")
     est = memory_estimate(cfg, Device(device.type, have / GIB), dims, cfg.train.micro_batch_size)
     need = (est.total_gb * GIB + position_table_bytes(cfg.model)) * per_host
