@@ -49,6 +49,7 @@ SPLIT = re.compile(r"in the compiler ([0-9.]+) s \(tracing ([0-9.]+), loading fr
                    r"compiling ([0-9.]+)\), the rest ([0-9.]+) s")
 PHASE = re.compile(r"([a-z][a-z -]+?) (\d+\.\d)(?=,|$)")
 BESIDE = re.compile(r"([a-z][a-z -]+?) (\d+\.\d) s in the background")
+END = re.compile(r"^end of run [0-9.]+ s \((.*)\)", re.M)  # the Trainer's line of the end's phases
 DISTLM_LAUNCH = "this, distlm launch"  # `distlm train --nproc-per-node N` instead of torchrun
 CPU = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.d_ff=128", "model.block_size=32",
        "model.vocab_size=256", "model.value_embeds=1", "train.device=cpu", "train.compile=true",
@@ -97,13 +98,25 @@ def launch_to_step1(run_dir: Path, launched: float) -> float | None:
     return round(float(row["wall_time"]) - launched, 1) if row and row.get("wall_time") else None
 
 
+def last_row_time(run_dir: Path) -> float | None:
+    """The wall clock of the run's last metrics.csv row (its last step): what follows it to the
+    process's end is the end of the run (final checkpoint, plot, the interpreter's exit)."""
+    try:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("wall_time")]
+    except OSError:
+        return None
+    return float(rows[-1]["wall_time"]) if rows else None
+
+
 def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["phases"]))
     beside = list(dict.fromkeys(n for r in rows for n in r.get("background", {})))
     head = ["code", "GPUs", "cache", "before set-up (interpreter, imports, CUDA libraries, config)", *names,
             *(f"beside the phases: {n}" for n in beside), "set-up total", "first step (compilation)",
             "of it in the compiler: tracing / loading / compiling", "process start to the end of step 1",
-            "launch to the end of step 1", "of it before the process (launcher)", "graphs loaded / compiled"]
+            "launch to the end of step 1", "of it before the process (launcher)", "graphs loaded / compiled",
+            "last step to process end", "process total"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = r.get("compiler")
@@ -113,7 +126,8 @@ def table(rows: list[dict]) -> str:
                  f"{r['setup_s']:.1f}", f"{r.get('first_step_s', float('nan')):.1f}",
                  f"{c['total']:.1f}: {c['tracing']:.1f} / {c['loading']:.1f} / {c['compiling']:.1f}" if c else "-",
                  f"{r.get('to_first_step_s', float('nan')):.1f}", _seconds(r.get("from_launch_s")),
-                 _seconds(r.get("launcher_s")), f"{r.get('loaded', '-')} / {r.get('compiled', '-')}"]
+                 _seconds(r.get("launcher_s")), f"{r.get('loaded', '-')} / {r.get('compiled', '-')}",
+                 _seconds(r.get("end_of_run_s")), _seconds(r.get("wall_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -137,6 +151,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench-out/startup")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--old", help="a folder holding another copy of the distlm package, run beside this one")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=DIR[:KEY=VALUE,...]",
+                   help="one more code to run beside this one: DIR holds its distlm package ('.' for this "
+                        "checkout), each KEY=VALUE is set in its environment, or with a dot in KEY given as "
+                        "a config override (e.g. start-up devices switched off one at a time); repeatable")
+    p.add_argument("--kinds", default="cold,warm", help="which runs of each code: cold, warm or both")
     p.add_argument("--repeat", type=int, default=1, help="rounds of (old, this) x (cold, warm)")
     p.add_argument("--importtime", action="store_true", help="each code once more under python -X importtime")
     p.add_argument("--cpu", action="store_true", help="a tiny model on the CPU (checks the plumbing)")
@@ -154,6 +173,20 @@ def main(argv: list[str]) -> int:
         codes = {"old": old, "this": ROOT}
     if args.distlm_launch:
         codes[DISTLM_LAUNCH] = ROOT
+    settings: dict[str, tuple[dict, list]] = {}  # a variant's environment and config overrides
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        folder, _, pairs = rest.partition(":")
+        code = ROOT if folder in ("", ".") else Path(folder).resolve()
+        if not name or not (code / "distlm" / "__main__.py").is_file():
+            print(f"--variant {spec}: expected NAME=DIR with DIR holding a distlm package")
+            return 2
+        codes[name] = code
+        env, overrides = {}, []
+        for pair in filter(None, pairs.split(",")):
+            key, _, value = pair.partition("=")
+            (overrides.append(pair) if "." in key else env.__setitem__(key, value))
+        settings[name] = (env, overrides)
     rows, failed, imports = [], 0, {}
 
     def train_args(gpus: int, cache: Path, name: str) -> list[str]:
@@ -165,13 +198,14 @@ def main(argv: list[str]) -> int:
     def run(code: str, gpus: int, cache: Path, name: str, python_flags: tuple[str, ...] = ()):
         # The working folder is OUT, not a checkout: `python -m` puts it first on sys.path, and
         # the copy named by PYTHONPATH must be the one that runs.
-        env = launch_env(os.environ, codes[code], cache)
+        env = {**launch_env(os.environ, codes[code], cache), **settings.get(code, ({}, []))[0]}
         launch = [args.python, *python_flags, "-m", "distlm"] if gpus == 1 or code == DISTLM_LAUNCH else [
             args.python, *python_flags, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
             "-m", "distlm"]
         nproc = [f"--nproc-per-node={gpus}"] if gpus > 1 and code == DISTLM_LAUNCH else []
         shutil.rmtree(out / "runs" / name, ignore_errors=True)
-        return subprocess.run([*launch, *train_args(gpus, cache, name), *nproc], cwd=out, env=env,
+        return subprocess.run([*launch, *train_args(gpus, cache, name), *settings.get(code, ({}, []))[1], *nproc],
+                              cwd=out, env=env,
                               capture_output=True, text=True)
 
     for rep in range(args.repeat):
@@ -181,7 +215,7 @@ def main(argv: list[str]) -> int:
                     continue  # one process: no launcher either way
                 cache = out / f"cache-{code.replace(', ', '-').replace(' ', '-')}-{gpus}"
                 shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
-                for kind in ("cold", "warm"):
+                for kind in (k for k in ("cold", "warm") if k in args.kinds.split(",")):
                     name = f"{code.replace(', ', '-').replace(' ', '-')}-{gpus}gpu-{kind}-{rep}"
                     t = time.time()
                     proc = run(code, gpus, cache, name)
@@ -195,8 +229,12 @@ def main(argv: list[str]) -> int:
                     if from_launch is not None and "to_first_step_s" in row:
                         row.update(from_launch_s=from_launch,
                                    launcher_s=round(from_launch - row["to_first_step_s"], 1))
+                    ended = time.time()
+                    last = last_row_time(out / "runs" / name)
                     rows.append({"code": code, "gpus": gpus, "run": kind, "round": rep,
-                                 "wall_s": round(time.time() - t, 1), **row})
+                                 "wall_s": round(ended - t, 1), **row,
+                                 "end_of_run_s": None if last is None else round(ended - last, 1),
+                                 "end_line": END.findall(proc.stdout)[-1:] or None})
                     print(f"{name}: {row.get('to_first_step_s')} s to the end of step 1 ({row.get('cache')})",
                           flush=True)
     if args.importtime:

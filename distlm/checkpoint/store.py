@@ -45,6 +45,7 @@ from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _wor
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
 from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
                                      verify_files)
+from distlm.host import local_ranks, usable_cores
 from distlm.io import atomic_write_text
 from distlm.local_shard import local_shard
 
@@ -151,10 +152,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         if async_save:
             # async_save copies the state to host memory before returning; the files are
             # written by a background thread while training goes on.
-            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp),
                                     process_group=background_group)
             return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp))
         _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         discard(tmp)
@@ -163,6 +164,18 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         discard(tmp)
         raise
     return final
+
+
+def write_threads(environ=os.environ) -> int:
+    """Files (and threads) per rank for a checkpoint's tensors. DCP writes one file per rank on
+    one thread by default, and each file is then hashed on one thread: with several, the
+    writes, their fsyncs and the checksums run side by side (hashlib and file I/O release the
+    GIL). A share of the host's cores for each of its ranks, at most 8."""
+    return max(1, min(8, usable_cores() // local_ranks(environ)))
+
+
+def _writer(tmp: Path) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(str(tmp), thread_count=write_threads())
 
 
 def discard(tmp: Path) -> None:

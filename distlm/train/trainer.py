@@ -48,7 +48,11 @@ from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import autocast_dtype, build_model, start_compiler_import
+from distlm.train.setup import BackgroundImport, autocast_dtype, build_model, start_compiler_import
+
+
+# What loss.png's drawing imports: the import is most of the plot's time at the end of a run.
+PLOT_MODULES = ("matplotlib", "matplotlib.pyplot")
 
 
 class Trainer:
@@ -395,6 +399,7 @@ class Trainer:
         stop_cfg = self.lr_clock.stop_config(cfg.train)
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
+        end = plot_import = None  # the end of the run's clock, and the plot's import beside its save
         loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
         if main and every != cfg.log.every:  # said once, not done quietly
@@ -437,7 +442,12 @@ class Trainer:
             if not stopped and start_step < self.step < cfg.train.max_steps and main:
                 say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
                     f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
-            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step)
+            # The end of a run is a fixed cost like its set-up: timed phase by phase and said in
+            # one line. The plot's library is imported beside the final checkpoint's write, which
+            # waits on the disk without the GIL.
+            end = SetupClock()
+            plot_import = BackgroundImport(PLOT_MODULES, name="plot import").start() if main else None
+            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end)
             last_val = final["val_loss"]
         finally:
             watchdog.disarm()
@@ -449,16 +459,23 @@ class Trainer:
                 self.lock.release()
         if main:
             from distlm.report.plot import NothingToPlot, plot_runs
+            if end is not None:
+                end.lap("logs closed")
             try:
+                if plot_import is not None:
+                    plot_import.join()
                 plot_runs([self.run_dir], self.run_dir / "loss.png")
             except NothingToPlot:
                 pass  # a run resumed at its end trained nothing and logged nothing: no empty frame
+            if end is not None:
+                end.lap("plot")
+                say(end.line(label="end of run"))
         return {"step": self.step, "train_loss": last_loss, "val_loss": last_val, "stopped": stopped,
                 "checkpoint": str(final["checkpoint"]) if final["checkpoint"] else None,
                 "run_dir": str(self.run_dir), "val_on": self.task.describe_eval()}
 
     def _finish(self, logger, say, stopped: Optional[str], evaluated: bool, last_val: Optional[float],
-                ran: bool) -> dict:
+                ran: bool, clock: SetupClock) -> dict:
         """The final checkpoint first, then the final evaluation: an evaluation that fails
         must not cost the last steps. A run resumed at its end trains nothing and logs nothing."""
         self.read_faults()  # the run's last steps, before its last checkpoint and evaluation
@@ -469,6 +486,7 @@ class Trainer:
         self.finish_pending_save()
         if ran and self._failed_save is not None and self._failed_save[0] == self.step:
             final = self._retry_final_save(last_val if evaluated else None)
+        clock.lap("final checkpoint")
         if not ran:
             complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
             if self.dims.is_main:
@@ -486,7 +504,9 @@ class Trainer:
                 say(f"final val loss {last_val:.4f} on {self.task.describe_eval()}")
             if final is not None and self.dims.is_main and math.isfinite(last_val):
                 self._record_val(final, last_val)
+            clock.lap("final evaluation")
             self._samples(logger, say)
+            clock.lap("samples")
         return {"checkpoint": final, "val_loss": last_val}
 
     def _retry_final_save(self, val_loss: Optional[float]) -> Path:
