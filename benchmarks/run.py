@@ -181,6 +181,9 @@ def run_step(step: Step, ctx: Context, stamp: str, prov: dict, results: Path) ->
                                 timeout=step.timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = 124
+        # The end of the step's process, beside its launch: a run's time from process start to
+        # process end (its final checkpoint written) is the time a user waits.
+        (folder / "end_time.txt").write_text(f"{time.time():.3f}\n")
         for proc, blog in launched:
             try:
                 proc.wait(timeout=120)

@@ -83,7 +83,7 @@ def test_bad_options_are_refused():
         plan(["--runs", "nanogpt@fsdp4", "--nanogpt", "x"])
 
 
-def _run(folder: Path, rows: list[tuple], launch: float = 1000.0, log: str = "") -> str:
+def _run(folder: Path, rows: list[tuple], launch: float = 1000.0, log: str = "", ended: float | None = None) -> str:
     run = folder / f"20261127T120000Z-{folder.name}-run"
     run.mkdir(parents=True)
     lines = ["step,wall_time,tokens,loss,val_loss,tokens_per_s,mfu"]
@@ -91,6 +91,8 @@ def _run(folder: Path, rows: list[tuple], launch: float = 1000.0, log: str = "")
     (run / "metrics.csv").write_text("\n".join(lines) + "\n")
     (folder / "launch_time.txt").write_text(f"{launch}\n")
     (folder / "log.txt").write_text(log)
+    if ended is not None:
+        (folder / "end_time.txt").write_text(f"{launch + ended}\n")
     return f"{run}=@{folder / 'launch_time.txt'}"
 
 
@@ -98,10 +100,10 @@ def test_report_times_each_gpu_count_to_its_own_nanogpt_loss(tmp_path):
     setup = ("set-up 3.0 s (device and process group 0.0); 6.5 s since the process started\n"
              "first step 12.0 s after set-up, compilation included; compile cache {}: 2 graphs loaded, 0 compiled (x)\n")
     specs = [
-        _run(tmp_path / "nanogpt", [(10, 20, 100, "", 1000), (1500, 300, 9000, 3.0, "")]),
+        _run(tmp_path / "nanogpt", [(10, 20, 100, "", 1000), (1500, 300, 9000, 3.0, "")], ended=330),
         _run(tmp_path / "baseline", [(10, 20, 100, "", 1000), (1500, 200, 9000, 2.0, "")]),  # not the target
         _run(tmp_path / "speedrun", [(10, 15, 50, "", 1000), (300, 90, 2000, 2.9, ""), (600, 100, 4000, 2.5, "")],
-             log=setup.format("warm")),
+             log=setup.format("warm"), ended=110),
         _run(tmp_path / "nanogpt-at-ddp4", [(10, 15, 100, "", 4000), (1500, 150, 9000, 2.8, "")]),
         _run(tmp_path / "speedrun-at-ddp4", [(10, 10, 50, "", 4000), (300, 60, 2000, 2.7, "")],
              log=setup.format("cold")),
@@ -123,6 +125,9 @@ def test_report_times_each_gpu_count_to_its_own_nanogpt_loss(tmp_path):
     assert md.startswith("Ran at the same time, one per GPU (CUDA_VISIBLE_DEVICES): nanogpt, speedrun;")
     assert "1 GPU: target 3.0000, the final validation loss of nanogpt" in md
     assert "ddp4: target 2.8000, the final validation loss of nanogpt-at-ddp4" in md
+    # from process start to process end (benchmarks/run.py's end_time.txt): 330 s against 110 s
+    assert table["speedrun"]["process_s"] == 110 and table["speedrun"]["after_last_val_s"] == 10
+    assert "| 110.0 | 10.0 | 3.00x |" in md and table["speedrun-at-ddp4"]["process_s"] is None
 
 
 @pytest.mark.skipif(not (NANOGPT / "train.py").is_file(), reason="nanoGPT's checkout is not on this machine")
@@ -206,9 +211,12 @@ def test_startup_tool_reads_the_set_up_and_first_step_lines():
     assert (row["cache"], row["loaded"], row["compiled"]) == ("warm", 4, 0)
     assert startup.parse("no set-up here") is None
     md = startup.table([{"gpus": 1, "run": "warm", **row}])
-    assert "| this | 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith("| 4.5 | 9.0 | - | 19.6 | - | - | 4 / 0 |")
-    md = startup.table([{"gpus": 4, "run": "warm", **row, "from_launch_s": 25.4, "launcher_s": 5.8}])
-    assert md.rstrip().endswith("| 19.6 | 25.4 | 5.8 | 4 / 0 |") and "of it before the process (launcher)" in md
+    assert "| this | 1 | warm | 6.1 | 0.0 | 0.1 |" in md and md.rstrip().endswith(
+        "| 4.5 | 9.0 | - | 19.6 | - | - | 4 / 0 | - | - |")
+    md = startup.table([{"gpus": 4, "run": "warm", **row, "from_launch_s": 25.4, "launcher_s": 5.8,
+                         "end_of_run_s": 0.4, "wall_s": 31.0}])
+    assert md.rstrip().endswith("| 19.6 | 25.4 | 5.8 | 4 / 0 | 0.4 | 31.0 |") and "of it before the process (launcher)" in md
+    assert "last step to process end" in md
 
 
 def test_startup_tool_gives_each_run_one_cache_folder_and_drops_the_callers():

@@ -86,6 +86,17 @@ def _split(first_s, t_hit, base_after) -> str:
     return f"{first_s:.1f} | {after:.1f} | {speed}"
 
 
+def _ends(r: dict, base: dict) -> str:
+    """'process end | after the last validation | speed-up to process end' cells: the whole wait,
+    each run's against the baseline's, counted only for a run whose final loss reached the target."""
+    if r["process_s"] is None:
+        return "— | — | — |"
+    after = r["process_s"] - r["val"][-1][0]
+    reached = r["val"][-1][2] <= base["val"][-1][2]
+    speed = f"{base['process_s'] / r['process_s']:.2f}x" if base.get("process_s") and reached else "—"
+    return f"{r['process_s']:.1f} | {after:.1f} | {speed} |"
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
@@ -101,6 +112,10 @@ def main(argv: list[str]) -> int:
             continue
         run = read_run(Path(path), float(launch))
         run.update(read_log(log) if log is not None else read_log(Path("/nonexistent")))
+        # The process's end, beside its launch time (benchmarks/run.py writes both): None when absent.
+        ended = log.parent / "end_time.txt" if log is not None else None
+        run["process_s"] = (float(ended.read_text()) - float(launch)
+                            if ended is not None and ended.is_file() else None)
         runs.append(run)
     if not runs:
         print("no run finished: nothing to report")
@@ -126,8 +141,9 @@ def main(argv: list[str]) -> int:
                   "| run | seconds from process start to target | tokens to target | final val loss | "
                   "final at (s) | steady tok/s | MFU | speed-up vs baseline | start-up: s to the first logged step | "
                   "s from it to target | speed-up after start-up | set-up done (s) | first step after it (s) | "
-                  "compile cache |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "compile cache | process start to process end (s) | of it after the last validation (s) | "
+                  "speed-up, process start to end |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         base_s = base["val"][-1][0]
         base_after = base_s - base["first_log_s"] if base["first_log_s"] is not None else None
         for r in members:
@@ -138,7 +154,8 @@ def main(argv: list[str]) -> int:
                           "final_at_s": r["val"][-1][0], "steady_tok_s": r["tok_s"], "mfu": r["mfu"],
                           "startup_s": r["first_log_s"], "setup_done_s": r["setup_done_s"],
                           "first_step_s": r["first_step_s"], "compile_cache": r["cache"],
-                          "concurrent": r["name"] in together})
+                          "concurrent": r["name"] in together, "process_s": r["process_s"],
+                          "after_last_val_s": None if r["process_s"] is None else r["process_s"] - r["val"][-1][0]})
             final_t, _, final_v, _ = r["val"][-1]
             tok_s = "n/a" if r["tok_s"] is None else f"{r['tok_s']:,.0f}"
             mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
@@ -147,7 +164,8 @@ def main(argv: list[str]) -> int:
             lines.append(f"| {r['name']} | {'not reached' if hit is None else f'{t_hit:.1f}'} | "
                          f"{'—' if hit is None else f'{tok_hit / 1e6:.1f}M'} | {final_v:.4f} | {final_t:.1f} | "
                          f"{tok_s} | {mfu} | {'—' if hit is None else f'{base_s / t_hit:.2f}x'} | "
-                         + _split(r["first_log_s"], t_hit, base_after) + f" | {setup} | {first} | {r['cache'] or '—'} |")
+                         + _split(r["first_log_s"], t_hit, base_after) + f" | {setup} | {first} | {r['cache'] or '—'} | "
+                         + _ends(r, base))
         lines.append("")
     text = "\n".join(lines)
     (out / "speedrun-table.md").write_text(text)

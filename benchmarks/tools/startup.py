@@ -99,11 +99,12 @@ def launch_to_step1(run_dir: Path, launched: float) -> float | None:
 
 
 def last_row_time(run_dir: Path) -> float | None:
-    """The wall clock of the run's last metrics.csv row (its last step): what follows it to the
-    process's end is the end of the run (final checkpoint, plot, the interpreter's exit)."""
+    """The wall clock of the run's last training row in metrics.csv (its last step, with that
+    step's evaluation if it had one): what follows it to the process's end is the end of the
+    run (final checkpoint, plot, the interpreter's exit)."""
     try:
         with open(run_dir / "metrics.csv", newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r.get("wall_time")]
+            rows = [r for r in csv.DictReader(f) if r.get("wall_time") and r.get("tokens_per_s")]
     except OSError:
         return None
     return float(rows[-1]["wall_time"]) if rows else None

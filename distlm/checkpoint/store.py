@@ -30,7 +30,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,13 +106,16 @@ def _as_save_error(e: BaseException, final: Path) -> CheckpointSaveError:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, async_save: bool = False,
-                    memo: Optional[VerifiedFiles] = None, background_group: Optional[dist.ProcessGroup] = None):
+                    memo: Optional[VerifiedFiles] = None, background_group: Optional[dist.ProcessGroup] = None,
+                    lap: Optional[Callable[[str], None]] = None):
     """Collective: every rank calls it. Returns the final folder, or (async_save) a
     PendingSave whose ``finish()`` must be called (also collectively) before the
     checkpoint counts: until then it is a ``.tmp-step_*`` folder that resume skips.
     ``memo`` remembers the files as verified (their checksums were just computed).
     ``background_group``: the group an async save's collectives run on (group.background_save_group;
-    required when several processes save in the background).
+    required when several processes save in the background). ``lap(name)`` is called at the end
+    of each phase of a save made here (the state gathered, the files written, their checksums,
+    the marker and the rename), for a caller that times them.
 
     Any failure is a CheckpointSaveError (NonFiniteCheckpoint for NaN/Inf weights, found
     before anything is written), raised on every rank, with the temp folder removed and
@@ -155,8 +158,11 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
             future = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp),
                                     process_group=background_group)
             return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
+        lap = lap or (lambda name: None)
+        lap("checkpoint state")
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp))
-        _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
+        lap("checkpoint write")
+        _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo, lap)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         discard(tmp)
         raise _as_save_error(e, final) from e
@@ -190,7 +196,7 @@ def _remove_checkpoint(p: Path) -> None:
 
 
 def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict, carried: Optional[BaseException] = None,
-              memo: Optional[VerifiedFiles] = None) -> None:
+              memo: Optional[VerifiedFiles] = None, lap: Callable[[str], None] = lambda name: None) -> None:
     """Collective. Each rank hashes the files it wrote; rank 0 gathers the checksums, hashes
     what no rank claimed, writes the marker and renames the folder into place."""
     rank, error = _rank(), carried
@@ -206,6 +212,7 @@ def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict, carried: Opti
         dist.all_gather_object(reports, report)
     else:
         reports = [report]
+    lap("checkpoint checksums")
     failed = [r[1] for r in reports if r[1] is not None]
     if failed:
         cause, code, where = failed[0]
@@ -220,6 +227,7 @@ def _finalize(ckpt_root: Path, tmp: Path, final: Path, meta: dict, carried: Opti
         except Exception as e:
             error = e
     _agree(error, f"cannot write checkpoint {final}")
+    lap("checkpoint marker")
 
 
 def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict, memo: Optional[VerifiedFiles]) -> None:

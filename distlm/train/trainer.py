@@ -318,9 +318,10 @@ class Trainer:
             return self.task.evaluate(run_context(self))
 
     # ---- checkpoints --------------------------------------------------------------
-    def save(self, val_loss: Optional[float] = None) -> Optional[Path]:
+    def save(self, val_loss: Optional[float] = None, lap=None) -> Optional[Path]:
         """A checkpoint of this step (collective). A write error stops training or, with
-        train.on_save_error=continue, is reported and training goes on."""
+        train.on_save_error=continue, is reported and training goes on. ``lap``: a clock's lap,
+        called at the end of each phase of the save (the end of a run times its own)."""
         self.read_faults()  # may stop training: then nothing is written
         root = self.run_dir / "checkpoints"
         if val_loss is not None and math.isfinite(val_loss) and (self.best_val is None or val_loss < self.best_val):
@@ -332,7 +333,7 @@ class Trainer:
         def write(async_allowed: bool):
             return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
                                         async_save=self.cfg.train.async_checkpoint and async_allowed,
-                                        memo=self.verified, background_group=self.background_save_group)
+                                        memo=self.verified, background_group=self.background_save_group, lap=lap)
 
         try:
             saved = self.engine.save(self.dims, self.comm, write, skipped=lambda: root / f"step_{self.step:07d}")
@@ -482,11 +483,12 @@ class Trainer:
         ckpt_dir = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
         # The last step may have been saved by checkpoint_every already: saving it again
         # would move a complete checkpoint aside for a moment, for nothing.
-        final = ckpt_dir if self._last_saved_step == self.step or not ran else self.save(last_val if evaluated else None)
+        final = ckpt_dir if self._last_saved_step == self.step or not ran else \
+            self.save(last_val if evaluated else None, lap=clock.lap)
         self.finish_pending_save()
         if ran and self._failed_save is not None and self._failed_save[0] == self.step:
             final = self._retry_final_save(last_val if evaluated else None)
-        clock.lap("final checkpoint")
+        clock.lap("checkpoint pruning")
         if not ran:
             complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
             if self.dims.is_main:
