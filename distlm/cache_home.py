@@ -2,9 +2,8 @@
 
     $DISTLM_CACHE_DIR, else $XDG_CACHE_HOME/distlm, else ~/.cache/distlm
 
-Under it: compile/ (torch.compile's caches, distlm/train/compile_cache.py) and bytecode/
-(Python's compiled imports where the installation keeps none, distlm/bytecode.py). Light: the
-program's entry reads it before torch is imported.
+Under it: bytecode/ (Python's compiled imports where the installation keeps none,
+distlm/bytecode.py). Light: the program's entry reads it before torch is imported.
 """
 from __future__ import annotations
 

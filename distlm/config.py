@@ -143,11 +143,6 @@ class TrainConfig:
     compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead",
                                help="torch.compile mode (autotuning costs minutes of compile time; reduce-overhead "
                                     "replays CUDA graphs)")
-    compile_cache: str = doc("auto", "where torch.compile keeps compiled graphs, so a second run or another rank "
-                                     "loads them instead of compiling: auto = $DISTLM_CACHE_DIR/compile, else "
-                                     "$XDG_CACHE_HOME/distlm/compile, else ~/.cache/distlm/compile "
-                                     "(TORCHINDUCTOR_CACHE_DIR, when set, wins); off = torch's default folder; "
-                                     "or a PATH. A folder that cannot be written gives a warning, not an error")
     eval_compile: bool = doc(True, "with train.compile: evaluate through compiled graphs too: the training "
                                    "graphs for a model without dropout on one GPU or DDP (nothing more to "
                                    "compile), else no-grad graphs of its own (false: eager; worth it for a "
@@ -502,8 +497,6 @@ def _validate_paths(cfg: Config) -> None:
         raise ConfigError(f"train.resume: no such checkpoint: {t.resume}")
     if cfg.task.name == "classify" and cfg.task.init_from is not None and not Path(cfg.task.init_from).exists():
         raise ConfigError(f"task.init_from: no such run or checkpoint: {cfg.task.init_from}")
-    if not t.compile_cache.strip():
-        raise ConfigError("train.compile_cache: empty; auto, off, or a folder")
 
 
 def validate_settings(cfg: Config) -> None:

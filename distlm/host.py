@@ -1,5 +1,5 @@
-"""This machine as the processes on it see it: the cores a process may use, and how many of
-distlm's processes share the host. Light (no torch): the program's entry reads it too."""
+"""This machine as the processes on it see it: the cores a process may use, how many of
+distlm's processes share the host, and which of them this one is. Light (no torch): the program's entry reads it too."""
 from __future__ import annotations
 
 import os
@@ -22,3 +22,10 @@ def local_ranks(environ: Mapping[str, str]) -> int:
         except ValueError:
             continue
     return 1
+
+
+def local_rank(environ: Mapping[str, str]) -> int:
+    """This process's GPU on its machine: torchrun sets LOCAL_RANK; horovodrun only
+    HOROVOD_LOCAL_RANK (without it every Horovod rank took cuda:0 and NCCL refused:
+    "ncclCommInitRank failed: invalid usage", 2x H200)."""
+    return int(environ.get("LOCAL_RANK", environ.get("HOROVOD_LOCAL_RANK", 0)))

@@ -122,16 +122,12 @@ def test_export_is_readable_by_other_users(run, tmp_path):
 
 def test_cli_conventions(tmp_path):
     """Item 9: --version, --print-config, a repeated --config, a config field given as a flag,
-    one copy of a config error under torchrun, and torch's compile-worker variable set to what
-    inductor would fail on."""
-    version, printed, twice, flag, rank0, rank1, workers = distlm_all(
+    and one copy of a config error under torchrun."""
+    version, printed, twice, flag, rank0, rank1 = distlm_all(
         ["--version"], ["train", "--config", "tiny", "train.max_steps=7", "--print-config"],
         ["train", "--config", "tiny", "--config", "gpt2-124m"], ["train", "--config", "tiny", "--max-steps", "5"],
         [{"RANK": "0", "WORLD_SIZE": "2"}, "train", "--config", "tyni"],
-        [{"RANK": "1", "WORLD_SIZE": "2"}, "train", "--config", "tyni"],
-        [{"TORCHINDUCTOR_COMPILE_THREADS": "eight"}, "train", "--config", "tiny", *TINY, "data.source=synthetic",
-         "train.device=cpu", "train.compile=true", "train.max_steps=1"], cwd=tmp_path)
-    one_line_error(workers, "TORCHINDUCTOR_COMPILE_THREADS='eight'", "whole number >= 1")
+        [{"RANK": "1", "WORLD_SIZE": "2"}, "train", "--config", "tyni"], cwd=tmp_path)
     assert version.returncode == 0 and version.stdout == "distlm 0.1.0\n"
     assert printed.returncode == 0 and printed.stderr == ""
     assert yaml.safe_load(printed.stdout)["train"]["max_steps"] == 7

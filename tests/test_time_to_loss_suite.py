@@ -200,8 +200,7 @@ def test_scaling_repeats_interleave_and_report_the_lowest(tmp_path, capsys):
 def test_startup_tool_reads_the_set_up_and_first_step_lines():
     sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
     import startup
-    log = ("compile cache: /c (warm, 9 files; train.compile_cache)\n"
-           "set-up 4.5 s (device and process group 0.0, config and data check 0.1, memory check 0.0, run folder 0.0, "
+    log = ("set-up 4.5 s (device and process group 0.0, config and data check 0.1, memory check 0.0, run folder 0.0, "
            "compiler import 4.2, model plan 0.0, weights 0.2, data-parallel wrap 0.0, optimizer and data loader 0.0, "
            "resume and run files 0.0); 10.6 s since the process started\n"
            "first step 9.0 s after set-up, compilation included; compile cache warm: 4 graphs loaded, 0 compiled (/c)\n")
@@ -227,7 +226,8 @@ def test_startup_tool_gives_each_run_one_cache_folder_and_drops_the_callers():
     outer = {"HOME": "/h", "PYTHONPYCACHEPREFIX": "/warm", "TORCHINDUCTOR_CACHE_DIR": "/warm2",
              "DISTLM_BYTECODE_CACHE": "/warm3", "PYTHONPATH": "/elsewhere", "DISTLM_CACHE_DIR": "/warm4"}
     env = startup.launch_env(outer, Path("/code/old"), Path("/out/cache-old-1"))
-    assert env == {"HOME": "/h", "PYTHONPATH": "/code/old", "DISTLM_CACHE_DIR": "/out/cache-old-1"}
+    assert env == {"HOME": "/h", "PYTHONPATH": "/code/old", "TORCHINDUCTOR_CACHE_DIR": "/out/cache-old-1",
+                   "DISTLM_CACHE_DIR": "/out/cache-old-1"}
 
 
 def test_startup_tool_times_a_run_from_its_launch_by_its_step_one_row(tmp_path):

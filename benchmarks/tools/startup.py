@@ -6,7 +6,7 @@ in the same run, for another copy of distlm (the code before a change).
                                        [-- OVERRIDES]
 
 For each GPU count, `distlm train` (torchrun above one GPU, DDP) runs 3 steps on synthetic tokens
-twice with one cache folder (train.compile_cache and DISTLM_CACHE_DIR: compiled graphs, and the
+twice with one cache folder (TORCHINDUCTOR_CACHE_DIR and DISTLM_CACHE_DIR: compiled graphs, and the
 imports' bytecode where the installation keeps none): first from an empty one (cold), then
 again on what the first left (warm). With --old DIR (a folder holding another copy of the
 `distlm` package, e.g. `git archive main distlm | tar -x -C DIR`), that copy runs the same pair
@@ -79,12 +79,12 @@ def parse(log: str) -> dict | None:
 
 def launch_env(environ: dict, code: Path, cache: Path) -> dict:
     """The environment of one run: the copy of distlm in ``code`` first on the path, and every cache
-    in ``cache``: DISTLM_CACHE_DIR puts the imports' bytecode there where the installation keeps
-    none (distlm/bytecode.py), so a cold run starts without it too. The caller's own cache settings
-    are dropped, or a cold run could be warm."""
+    in ``cache``: TORCHINDUCTOR_CACHE_DIR puts torch.compile's there, DISTLM_CACHE_DIR the imports'
+    bytecode where the installation keeps none (distlm/bytecode.py), so a cold run starts without
+    either. The caller's own cache settings are dropped, or a cold run could be warm."""
     drop = ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH", "PYTHONPYCACHEPREFIX", "DISTLM_BYTECODE_CACHE")
     return {**{k: v for k, v in environ.items() if k not in drop}, "PYTHONPATH": str(code),
-            "DISTLM_CACHE_DIR": str(cache)}
+            "TORCHINDUCTOR_CACHE_DIR": str(cache), "DISTLM_CACHE_DIR": str(cache)}
 
 
 def launch_to_step1(run_dir: Path, launched: float) -> float | None:
@@ -190,10 +190,10 @@ def main(argv: list[str]) -> int:
         settings[name] = (env, overrides)
     rows, failed, imports = [], 0, {}
 
-    def train_args(gpus: int, cache: Path, name: str) -> list[str]:
+    def train_args(gpus: int, name: str) -> list[str]:
         return ["train", "--config", args.config, "data.source=synthetic", "train.max_steps=3",
                 "train.eval_every=0", "train.checkpoint_every=0", "log.progress=false", "log.tensorboard=false",
-                "log.samples=0", f"train.compile_cache={cache}", f"log.root={out / 'runs'}", f"log.name={name}",
+                "log.samples=0", f"log.root={out / 'runs'}", f"log.name={name}",
                 *([f"parallel.dp_replicate={gpus}"] if gpus > 1 else []), *(CPU if args.cpu else []), *extra]
 
     def run(code: str, gpus: int, cache: Path, name: str, python_flags: tuple[str, ...] = ()):
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
             "-m", "distlm"]
         nproc = [f"--nproc-per-node={gpus}"] if gpus > 1 and code == DISTLM_LAUNCH else []
         shutil.rmtree(out / "runs" / name, ignore_errors=True)
-        return subprocess.run([*launch, *train_args(gpus, cache, name), *settings.get(code, ({}, []))[1], *nproc],
+        return subprocess.run([*launch, *train_args(gpus, name), *settings.get(code, ({}, []))[1], *nproc],
                               cwd=out, env=env,
                               capture_output=True, text=True)
 

@@ -109,12 +109,8 @@ def train(
         return 0
     if nproc_per_node != 1:
         return _launch_train(nproc_per_node, config, overrides)
-    # CUDA's driver starts on a thread while torch and the Trainer are imported (that import
-    # holds the interpreter; the driver's start does not need it): distlm/train/cuda_driver.py.
-    from distlm.train.cuda_driver import CudaDriverStart
-    driver = CudaDriverStart.for_run(cfg.train.device)
     from distlm.train.trainer import Trainer
-    trainer = Trainer(cfg, background=(driver,) if driver is not None else ())
+    trainer = Trainer(cfg)
     summary = trainer.train()
     if trainer.dims.is_main and summary["stopped"]:
         print(f"stopped: {summary['stopped']}; checkpoint {summary['checkpoint']}; "

@@ -94,14 +94,11 @@ class SetupClock:
         self.phases.append((name, now - self._last))
         self._last = now
 
-    def line(self, background: tuple[str, ...] = (), label: str = "set-up") -> str:
-        """``background``: work that ran beside the phases (a BackgroundImport's describe()),
-        said apart: its seconds overlap the phases' and are not in the total. ``label``: what
-        the phases add up to (the set-up, or the end of a run: its last checkpoint, plot, ...)."""
+    def line(self, label: str = "set-up") -> str:
+        """``label``: what the phases add up to (the set-up, or the end of a run: its last
+        checkpoint, plot, ...)."""
         total = sum(s for _, s in self.phases)
         parts = ", ".join(f"{name} {s:.1f}" for name, s in self.phases)
-        if background:
-            parts += "; beside them: " + ", ".join(background)
         age = process_age_s()
         since = f"; {age:.1f} s since the process started" if age is not None else ""
         return f"{label} {total:.1f} s ({parts}){since}"

@@ -62,7 +62,7 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # Evaluation, checkpoints, resume itself.
         "eval_every", "eval_batches", "eval_compile", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
-        "device", "dtype", "compile", "compile_scope", "compile_mode", "compile_cache", "memory_check",
+        "device", "dtype", "compile", "compile_scope", "compile_mode", "memory_check",
         # Float8 matmuls on the same parameters, kept in their dtype: a float8 run goes on in bf16 and back.
         "fp8", "fp8_weight_grad",
         # Fault handling.

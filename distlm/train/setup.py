@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-import time
 from typing import Optional, Sequence
 
 import torch
@@ -29,21 +28,18 @@ COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 class BackgroundImport:
-    """Imports modules on a thread of its own while the set-up does other work, and is joined
-    before the first thing that needs them.
+    """Imports modules on a thread of its own while the process does other work, and is joined
+    before the first thing that needs them (the Trainer: the plot's library, beside the final
+    checkpoint's write).
 
-    Python runs one thread at a time, so the import overlaps only the set-up's work that
-    releases the GIL: the process group's rendezvous, CUDA's context, weight draws and their
-    copies to the GPU, the data check's reads, the Newton-Schulz probe's matmuls. What it
-    imports is what the same process would import anyway, in the same order; an import that
-    fails is raised again by ``join``, in the set-up, as it would have been without the thread.
-    The thread is a daemon: a set-up that fails before joining does not wait for it.
+    Python runs one thread at a time, so the import overlaps only work that releases the GIL
+    (a write waiting on the disk). What it imports is what the same process would import
+    anyway; an import that fails is raised again by ``join``, as it would have been without
+    the thread. The thread is a daemon: a process that fails before joining does not wait for it.
     """
 
-    def __init__(self, modules: Sequence[str], name: str = "compiler import") -> None:
-        self.modules, self.name = tuple(modules), name
-        self.seconds: Optional[float] = None    # the import's own wall time, once done
-        self.waited: Optional[float] = None     # how long join() blocked the set-up
+    def __init__(self, modules: Sequence[str], name: str = "background import") -> None:
+        self.modules = tuple(modules)
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"distlm {name}", daemon=True)
 
@@ -52,61 +48,34 @@ class BackgroundImport:
         return self
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
         try:
             for module in self.modules:
                 importlib.import_module(module)
-        except BaseException as e:  # kept for join(): raised in the set-up's thread, not lost here
+        except BaseException as e:  # kept for join(): raised in the caller's thread, not lost here
             self._error = e
-        finally:
-            self.seconds = time.perf_counter() - t0
 
-    def join(self) -> float:
-        """Wait for the import; returns the seconds waited (0 when it had finished)."""
-        if self.waited is None:
-            t0 = time.perf_counter()
-            self._thread.join()
-            self.waited = time.perf_counter() - t0
+    def join(self) -> None:
+        """Wait for the import; raise what it raised."""
+        self._thread.join()
         if self._error is not None:
             raise self._error
-        return self.waited
-
-    def describe(self) -> str:
-        """For the set-up line: the import's own time and what of it the set-up waited for."""
-        return f"{self.name} {self.seconds or 0.0:.1f} s in the background, waited {self.waited or 0.0:.1f} s"
 
 
-def start_compiler_import(compiles: bool, device: torch.device) -> Optional[BackgroundImport]:
-    """The compiler's import, started now on a thread of its own, for a compiled run on a GPU:
-    there the set-up's next phases (process group, CUDA's context, data and memory checks) wait
-    without the GIL, so the import runs beside them. None elsewhere: on a CPU the set-up holds
-    the GIL throughout and the Newton-Schulz probe times matmuls the import would slow, so
-    build_model imports the compiler itself, as before."""
-    return BackgroundImport(COMPILER_MODULES).start() if compiles and device.type == "cuda" else None
-
-
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clock=None,
-                compiler: Optional[BackgroundImport] = None) -> ParallelPlan:
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clock=None) -> ParallelPlan:
     """Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
     model when it is sharded. Returns the parallel plan: (the wrapped model to train, the
     plain module inside (under PP this rank's pruned part), the step engine that drives it,
     ...: distlm/parallel/plan.py). ``clock`` (a SetupClock) gets four laps: the compiler's
-    import (when compiling; with ``compiler``, started earlier, the wait for it), the model's structure with its parallel plans and compile
+    import (when compiling), the model's structure with its parallel plans and compile
     wrappers, the weights' allocation and init, and the data-parallel wrapper (DDP's
     constructor broadcasts rank 0's weights: the first collective, so NCCL connects there)."""
     lap = clock.lap if clock is not None else (lambda name: None)
     if cfg.train.compile:
         # torch.compile's first use imports the compiler: a lap of its own, so "model plan" is
-        # the plan alone. Started in the background (``compiler``), only the wait is a lap.
-        if compiler is not None:
-            compiler.join()
-            lap("compiler import wait")
-        else:
-            for module in COMPILER_MODULES:
-                importlib.import_module(module)  # not `import torch...`: that binds a local torch
-            lap("compiler import")
-    else:
-        lap("compiler import")
+        # the plan alone.
+        for module in COMPILER_MODULES:
+            importlib.import_module(module)  # not `import torch...`: that binds a local torch
+    lap("compiler import")
     with torch.device("meta"):
         inner = task.build_model(cfg)
 

@@ -23,6 +23,7 @@ import torch
 
 from distlm.config import Config, ConfigError, to_yaml
 from distlm.device import resolve_device
+from distlm.host import local_rank
 from distlm.io import atomic_write_text
 from distlm.model.float8 import check_float8_on
 from distlm.model.gpt import flops_per_token
@@ -31,9 +32,7 @@ from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.group import background_save_group
-from distlm.train.compile_cache import CompileCache
-from distlm.train.compile_workers import CompileWorkers
-from distlm.train.cuda_driver import local_rank
+from distlm.train.compile_cache import first_step_report
 from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
@@ -48,7 +47,7 @@ from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import BackgroundImport, autocast_dtype, build_model, start_compiler_import
+from distlm.train.setup import BackgroundImport, autocast_dtype, build_model
 
 
 # What loss.png's drawing imports: the import is most of the plot's time at the end of a run.
@@ -56,21 +55,11 @@ PLOT_MODULES = ("matplotlib", "matplotlib.pyplot")
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run",
-                 background: tuple = ()):
-        """``background``: work started before the Trainer that runs beside its set-up (the
-        train verb's CudaDriverStart), reported in the set-up line."""
+    def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run"):
         clock = SetupClock()
         self.device = resolve_device(cfg.train.device, local_rank(os.environ))
-        # A compiled run on a GPU imports the compiler on a thread of its own from here on,
-        # beside the process group, CUDA's context, the data check and the memory check;
-        # build_model joins it (distlm/train/setup.py says where and why). The cache folder is
-        # set first: the compiler reads it from the environment.
-        compiled = compiles(cfg.train, self.device.type)  # decided before fast_defaults runs, by its rule
-        self.compile_cache = CompileCache.open(cfg.train.compile_cache) if compiled else None
-        # And how many compile workers this rank may start: its share of the host's cores.
-        self.compile_workers = CompileWorkers.set() if compiled else None
-        compiler = start_compiler_import(compiled, self.device)
+        # decided before fast_defaults runs, by its rule: a compiled run reports its compile cache
+        self.compiled = compiles(cfg.train, self.device.type)
         check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
         if dims is None:
@@ -112,7 +101,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else self._run_dir(name_prefix)
         self.lock = RunLock(self.run_dir).acquire() if self.dims.is_main else None
         try:
-            self._set_up_run(cfg, clock, compiler, background)
+            self._set_up_run(cfg, clock)
         except BaseException:
             # A start that stops here (a config error found by the model plan, a refused
             # resume, Ctrl-C) leaves no folder behind that would block the corrected command
@@ -121,16 +110,15 @@ class Trainer:
                 self.lock.abandon()
             raise
 
-    def _set_up_run(self, cfg: Config, clock: SetupClock, compiler, background: tuple) -> None:
+    def _set_up_run(self, cfg: Config, clock: SetupClock) -> None:
         """Set-up from the locked run folder on: the model, optimizer, data, resume and run files."""
         # A checkpoint of another architecture or data is refused here, before the model is
         # built or any weight loaded (and before config.yaml is rewritten).
         check_before_resume(cfg, self.run_dir)
         seed_for_rank(cfg.train.seed, self.dims)
-        self._say_compile_cache()
         clock.lap("run folder")
         # four laps: compiler import, model plan, weights, data-parallel wrap
-        self.plan = build_model(cfg, self.dims, self.device, self.task, clock, compiler)
+        self.plan = build_model(cfg, self.dims, self.device, self.task, clock)
         self.model, self.gpt, self.stepper = self.plan.model, self.plan.module, self.plan.step
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         # train.on_nan: who decides whether a step with a NaN/Inf loss or gradient is taken, the
@@ -163,18 +151,9 @@ class Trainer:
         self._write_run_files()
         clock.lap("resume and run files")
         # printed by train(); compilation comes later, in the first step
-        said = (b.describe() for b in (*background, compiler) if b is not None)
-        self.setup_line = clock.line(background=tuple(line for line in said if line))
+        self.setup_line = clock.line()
 
     # ---- set-up -------------------------------------------------------------------
-    def _say_compile_cache(self) -> None:
-        """Where torch's compile caches go (train.compile_cache), said once the run folder is
-        checked (the folder was opened before the compiler's import started)."""
-        cache = self.compile_cache
-        if cache is not None and self.dims.is_main:
-            print(cache.warning or cache.describe(), file=sys.stderr if cache.warning else sys.stdout, flush=True)
-            print(self.compile_workers.describe(), flush=True)
-
     def _agreed_seconds(self, seconds: float) -> float:
         if not self.dims.is_distributed:
             return seconds
@@ -415,8 +394,8 @@ class Trainer:
                 loss, grad_norm = self.train_step()
                 watchdog.arm(self.step)  # armed after the first step: compilation may take minutes
                 first, last = self.step == start_step + 1, self.lr_clock.complete(self.step)
-                if first and main and self.compile_cache is not None:
-                    say(self.compile_cache.report(time.perf_counter() - t_start))  # cold or warm, in the log
+                if first and main and self.compiled:
+                    say(first_step_report(time.perf_counter() - t_start))  # cold or warm, in the log
                 status = progress.at(self.step, time.perf_counter(), finished=last)
                 if bar is not None:
                     bar.show(status)
