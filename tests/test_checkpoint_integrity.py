@@ -477,3 +477,35 @@ def test_trainer_stops_on_an_injected_dcp_failure_keeping_the_previous_checkpoin
     assert "cannot write checkpoint step_0000004" in msg and "disk full" in msg and f"{prev} is intact" in msg
     assert ckpt.list_checkpoints(tmp_path / "inj" / "checkpoints") == ([prev], [])
     ckpt.verify_checkpoint(prev)
+
+
+# ---- several writer threads a rank --------------------------------------------------------
+def test_a_checkpoint_is_written_in_several_files_that_load_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "write_threads", lambda environ=None: 3)
+    model, opt = tiny_model()
+    folder = save(tmp_path, 1, model, opt)
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    other, other_opt = fresh_model()
+    ckpt.load_checkpoint(folder, other, other_opt)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_writer_thread_that_fails_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+    """DCP does not hear of a failure in a writer thread other than its first: the save would
+    "succeed" with that thread's tensors missing. The save checks what DCP wrote against what
+    it planned, and a failed save waits for the writers before its folder is removed."""
+    import threading
+    from torch.distributed.checkpoint import filesystem
+    monkeypatch.setattr(ckpt, "write_threads", lambda environ=None: 3)
+    real = filesystem._write_item
+
+    def write_item(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+    good = save(tmp_path, 1)
+    monkeypatch.setattr(filesystem, "_write_item", write_item)
+    with pytest.raises(CheckpointSaveError, match="not written.*a writer thread failed"):
+        save(tmp_path, 2)
+    assert ckpt.list_checkpoints(tmp_path) == ([good], [])  # the earlier one intact, no partial folder

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -160,7 +161,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
             return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
         lap = lap or (lambda name: None)
         lap("checkpoint state")
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp))
+        _check_written(dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp)), final)
         lap("checkpoint write")
         _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo, lap)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -184,8 +185,44 @@ def _writer(tmp: Path) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(str(tmp), thread_count=write_threads())
 
 
+# DCP's writer threads beyond its first: Python names a thread "Thread-N (TARGET)" after its target.
+_WRITER_THREAD = "(_write_files_from_queue)"
+
+
+def _check_written(metadata, final: Path) -> None:
+    """Every item DCP planned to write has a place in a file. With several writer threads, DCP
+    collects what each wrote but does not hear of one that failed (its exception ends the
+    thread): its items would be missing from a checkpoint that saved "successfully"."""
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        return  # a torch that returns no metadata: nothing to compare
+    missing = [fqn for fqn, item in metadata.state_dict_metadata.items()
+               if not _stored(fqn, item, storage)]
+    if missing:
+        raise CheckpointSaveError(f"cannot write checkpoint {final}: {len(missing)} entries were not written "
+                                  f"(first: {missing[0]}); a writer thread failed",
+                                  "a writer thread failed")
+
+
+def _stored(fqn: str, item, storage) -> bool:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    chunks = getattr(item, "chunks", None)
+    if chunks is None:  # bytes: one entry under the name
+        return any(key.fqn == fqn for key in storage)
+    return all(MetadataIndex(fqn, chunk.offsets) in storage for chunk in chunks)
+
+
+def _join_writers() -> None:
+    """Wait for DCP's writer threads still running: when one thread fails, DCP raises without
+    joining the others, and they would go on writing into a folder being removed."""
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and t.name.endswith(_WRITER_THREAD):
+            t.join()
+
+
 def discard(tmp: Path) -> None:
     """Remove a save that failed half-way (a full disk keeps no partial files)."""
+    _join_writers()
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -275,7 +312,7 @@ class PendingSave:
         """Collective. Raises CheckpointSaveError (every rank) when the background write or
         the finalisation failed; the temp folder is gone then."""
         try:
-            self.future.result()
+            _check_written(self.future.result(), self.final)
             _finalize(self.ckpt_root, self.tmp, self.final, self.meta, self.rng_error, self.memo)
         except (Exception, CheckpointException) as e:
             discard(self.tmp)
