@@ -133,3 +133,19 @@ def test_setup_and_done_lines_read_through_a_pipe(tmp_path):
                                              "resume and run files"], setup
     total = float(re.match(r"set-up (\d+\.\d) s", setup).group(1))
     assert abs(sum(float(v) for _, v in phases) - total) <= 0.05 * len(phases), setup
+
+
+def test_a_finished_train_process_ends_without_the_interpreters_teardown(tmp_path):
+    """Once the run is on disk the process ends at once: an exit handler registered before the
+    run does not run, and nothing printed is lost on the way (read through a pipe)."""
+    code = ("import atexit, sys; atexit.register(lambda: print('teardown ran', flush=True)); "
+            "from distlm.cli import run; sys.argv = ['distlm', *sys.argv[1:]]; sys.exit(run())")
+    proc = subprocess.run([sys.executable, "-c", code, "train", "--config", "tiny", "data.source=synthetic",
+                           "train.max_steps=2", "train.device=cpu", "train.compile=false", "log.samples=0",
+                           f"log.root={tmp_path}", "log.name=quick"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("done: step 2") and any(x.startswith("end of run ") for x in lines), proc.stdout
+    assert "teardown ran" not in proc.stdout
+    assert (tmp_path / "quick" / "checkpoints" / "step_0000002" / "distlm.json").is_file()

@@ -1,5 +1,6 @@
 """The Trainer, single process: bit-exact resume, outputs read back the way users read them."""
 import csv
+import re
 import shutil
 
 import pytest
@@ -139,3 +140,19 @@ def test_evaluation_of_a_compiled_model(monkeypatch, tmp_path, tiny_data, eval_c
     t.model.train()
     assert t.evaluate() == pytest.approx(eager, rel=1e-6)
     torch._dynamo.reset()
+
+
+def test_the_end_of_a_run_is_one_line_of_its_phases(tmp_path, capsys):
+    """After the last step: the final checkpoint (its state, write, checksums, marker), the
+    evaluation, the logs and the plot, timed in one line; the checkpoint in several files."""
+    from test_faults import make_trainer
+    t = make_trainer(tmp_path, "end", "train.max_steps=2", "train.checkpoint_every=0", "log.samples=0")
+    summary = t.train()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("end of run "))
+    phases = re.findall(r"([a-z][a-z ]+?) ([0-9]+\.[0-9])(?=[,)])", line[line.index("(") + 1:])
+    assert [p for p, _ in phases] == ["checkpoint state", "checkpoint write", "checkpoint checksums",
+                                      "checkpoint marker", "checkpoint pruning", "final evaluation", "samples",
+                                      "logs closed", "plot"], line
+    total = float(re.match(r"end of run ([0-9.]+) s", line).group(1))
+    assert abs(sum(float(s) for _, s in phases) - total) < 0.05 * len(phases) + 0.05, line
+    assert summary["checkpoint"].endswith("step_0000002") and (tmp_path / "end" / "loss.png").is_file()
