@@ -235,7 +235,7 @@ def test_prepare_suite_says_in_one_line_when_its_module_is_absent(tmp_path, caps
     monkeypatch.setattr(prepare, "available", lambda: False)
     assert bench_run.main(["prepare", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "distlm.bench.prepare_speed is not in this checkout" in out[0]
+    assert len(out) == 1 and "benchmarks/tools/prepare_speed.py is not in this checkout" in out[0]
     assert not (tmp_path / "results.jsonl").exists()
 
 

@@ -1,10 +1,10 @@
-"""The prepare timeline (distlm.bench.prepare_timeline): its figures add up, it sees every task,
+"""The prepare timeline (benchmarks/tools/prepare_timeline.py): its figures add up, it sees every task,
 and wrapping the workers' entry point changes no byte of the output."""
 import json
 
 import pytest
 
-from distlm.bench import prepare_timeline as tl
+import prepare_timeline as tl
 from distlm.corpus import prepare as prep
 from distlm.corpus import sources
 
