@@ -259,9 +259,6 @@ class ParallelConfig:
     timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
     sequence_parallel: bool = doc(True, "TP: norms and dropout on a slice of the sequence (less memory, same math)")
     loss_parallel: bool = doc(True, "TP: cross-entropy on vocabulary shards; the full logits never exist")
-    async_tp: bool = doc(False, "TP: overlap the sequence-parallel all-gathers and reduce-scatters with the "
-                                "matmuls (compiled, CUDA, symmetric memory); measured no faster for gpt2-1.5b "
-                                "on 2 x H100")
     pp_schedule: str = choice("1f1b", "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                               help="naive = one microbatch, no overlap (the baseline the others beat)")
     pp_microbatches: int = doc(0, "PP: microbatches per step; 0 = local batch / train.micro_batch_size")

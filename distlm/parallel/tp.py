@@ -168,48 +168,6 @@ def in_compute_dtype(module: nn.Module, args, output: torch.Tensor) -> torch.Ten
     return output
 
 
-def enable_async_tp(tp_mesh) -> None:
-    """Async TP: inductor rewrites each all-gather -> matmul and matmul -> reduce-scatter
-    of the compiled blocks into micro-pipelined kernels that copy one peer's chunk over
-    NVLink (symmetric memory, peer-to-peer; no NVLink multicast) while multiplying the
-    chunk already here, so TP's collectives hide behind its matmuls instead of sitting on
-    the critical path (four per block per pass).
-
-    The switch is inductor's process-wide config flag: torch offers no per-model one. It
-    only changes graphs that contain such patterns, i.e. TP's."""
-    if tp_mesh.device_type != "cuda":
-        from distlm.config import ConfigError
-        raise ConfigError("parallel.async_tp needs CUDA GPUs (it uses symmetric memory); "
-                          "leave it off on CPU")
-    import torch._inductor.config as inductor_config
-    inductor_config._micro_pipeline_tp = True
-    register_symm_mem_group(tp_mesh.get_group().group_name)
-
-
-def register_symm_mem_group(group_name: str) -> None:
-    """Make inductor's async-TP pass rewrite this group's collectives.
-
-    The pass fuses a group's all-gather/reduce-scatter with their matmuls only where
-    ``is_symm_mem_enabled_for_group`` says yes, and in torch 2.11 (the GPU image) and 2.13 (the
-    CPU box) that holds only after ``enable_symm_mem_for_group``, which the same versions mark
-    deprecated ("no need to call this function anymore"). Taking the deprecation at its word,
-    distlm skipped the call from c4d1e45 on, and the pass silently fused nothing: the async-TP
-    figures measured from 2026-11-26 until 2026-11-27 ran plain TP (pytorch/pytorch#193027). So the
-    call is made wherever the check does not already pass, with its FutureWarning silenced; a
-    torch whose check no longer needs it returns before the call."""
-    import warnings
-
-    import torch.distributed._symmetric_memory as symm_mem
-    if symm_mem.is_symm_mem_enabled_for_group(group_name):
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group_name)
-    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        raise RuntimeError(f"parallel.async_tp: symmetric memory could not be enabled for TP group {group_name!r}; "
-                           "async TP would silently run as plain TP")
-
-
 def replicate_rest(model: nn.Module, tp_mesh) -> None:
     """Make every parameter the plan left plain (a learned position table; norms without
     SP) a replicated DTensor, computing on local tensors as before. Then every parameter is
