@@ -175,10 +175,6 @@ class TrainConfig:
                       help="the blocks' linear layers multiply in float8 (e4m3 forward, e5m2 gradients, dynamic "
                            "scales: one per tensor, or one per row and column); head, embeddings and norms stay "
                            "as they are, parameters and checkpoints too. CUDA capability 8.9+ (distlm/model/float8.py)")
-    fp8_weight_grad: str = choice("float8", "float8", "bf16",
-                                  help="with train.fp8: the weight gradient's matmul in float8, or in bf16, which "
-                                       "needs no transposed float8 copies of the activations and output gradients "
-                                       "at the price of a third of the float8 matmuls (distlm/model/float8.py)")
     memory_check: bool = doc(True, "refuse to start, before the run folder is made or anything allocated, when "
                                    "the planner's memory estimate of this run is more than the device has free "
                                    "(host RAM on CPU, the GPU's free memory on CUDA); false = start anyway, for "
@@ -668,9 +664,6 @@ def _validate_seq_warmup(cfg: Config) -> None:
 def _validate_fp8(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     if t.fp8 == "off":
-        if t.fp8_weight_grad != "float8":
-            raise ConfigError(f"train.fp8_weight_grad={t.fp8_weight_grad} chooses how float8 layers compute their "
-                              f"weight gradient, and train.fp8=off has none; set train.fp8=tensorwise or rowwise")
         return
     # Under tensor parallelism the refusal is the tensor axis's (distlm/layout/tensor.py).
     # torch._scaled_mm: the contraction dim and the weight's two dims must be multiples of 16.

@@ -377,24 +377,6 @@ def test_float8_suite_plans_bf16_beside_each_recipe_and_reports_them(tmp_path, c
     assert "| gpt2-1.5b | tensorwise |" in proc.stdout
 
 
-def test_float8_suite_runs_each_recipe_with_each_weight_gradient_beside_one_bf16_run(capsys):
-    """--weight-grads float8,bf16: one bf16 step, then every recipe twice, the second with
-    train.fp8_weight_grad=bf16 and labelled RECIPE+bf16wgrad, the report told each label."""
-    lines = dry_run(capsys, "float8", ["--gpus", "4", "--items", "speed", "--models", "gpt2-1.5b",
-                                       "--weight-grads", "float8,bf16"])
-    runs = {tuple(sorted(o for o in cmd[3] if o.startswith("train.fp8"))): cmd
-            for cmd in filter(None, map(distlm_commands, lines))}
-    assert set(runs) == {("train.fp8=off",), ("train.fp8=tensorwise",), ("train.fp8=rowwise",),
-                         ("train.fp8=tensorwise", "train.fp8_weight_grad=bf16"),
-                         ("train.fp8=rowwise", "train.fp8_weight_grad=bf16")}
-    report = next(words for words in lines if any(w.endswith("float8_report.py") for w in words))
-    assert [w.split("=")[0] for w in report if w.startswith("speed:")] == [
-        "speed:gpt2-1.5b:off", "speed:gpt2-1.5b:tensorwise", "speed:gpt2-1.5b:tensorwise+bf16wgrad",
-        "speed:gpt2-1.5b:rowwise", "speed:gpt2-1.5b:rowwise+bf16wgrad"]
-    assert bench_run.main(["float8", "--dry-run", "--weight-grads", "fp16"]) == 2
-    assert "--weight-grads 'fp16'" in capsys.readouterr().err
-
-
 def test_throughput_before_and_after_are_profiled_alike_and_tabled(capsys, tmp_path):
     """--before DIR with --profile: the older code's run is profiled too (the profiler slows a
     step; a pair must differ only in the code), and a last step tables each pair."""

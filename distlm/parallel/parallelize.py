@@ -73,7 +73,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     """
     pcfg = cfg.parallel
     # the blocks' linear layers, before any wrapper
-    apply_float8(model, cfg.train.fp8, weight_grad=cfg.train.fp8_weight_grad)
+    apply_float8(model, cfg.train.fp8)
     parts = None
     hooks: list[BatchHook] = []
     if dims.pp > 1:

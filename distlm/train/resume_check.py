@@ -64,7 +64,7 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
         "device", "dtype", "compile", "compile_scope", "compile_mode", "compile_cache", "memory_check",
         # Float8 matmuls on the same parameters, kept in their dtype: a float8 run goes on in bf16 and back.
-        "fp8", "fp8_weight_grad",
+        "fp8",
         # Fault handling.
         "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s", "stop_check_every"),
     # Every optimizer's own settings (rates, momenta, decay, Muon's Newton-Schulz steps and the
