@@ -209,32 +209,6 @@ class OptimConfig:
                                         "(Lion wants train.lr 3-10x below AdamW's and this 3-10x above)")
 
 
-# Keys that moved to another section, old spelling -> new. Configs, presets and command lines
-# written before 2026-11-27, and every run and checkpoint saved before then (config.yaml,
-# run-config.json, the checkpoint marker), spell the optimizer's settings as flat train.*
-# keys; they are read as the new ones, and written back only in the new spelling.
-MOVED_KEYS = {
-    "train.optimizer": "optim.name",
-    **{f"train.{k}": f"optim.{k}" for k in ("muon_lr", "embed_lr", "muon_momentum", "muon_ns_steps",
-                                            "muon_ns_dtype", "muon_weight_decay")},
-}
-
-
-def upgraded(data: dict) -> dict:
-    """A saved or written config mapping with every moved key under its new name (the old
-    spelling's value wins over a default only: a new key given as well is kept)."""
-    out = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
-    for old, new in MOVED_KEYS.items():
-        (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")
-        values = out.get(old_section)
-        if isinstance(values, dict) and old_name in values:
-            value = values.pop(old_name)
-            target = out.setdefault(new_section, {})
-            if isinstance(target, dict):
-                target.setdefault(new_name, value)
-    return out
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     dp_replicate: int = doc(1, "DDP degree (replicas)")
@@ -408,17 +382,13 @@ class _Values:
         self.values = {section: dataclasses.asdict(getattr(base, section)) for section in SECTIONS}
 
     def set(self, section: str, key: str, value: Any) -> None:
-        spelled = f"{section}.{key}"
-        if spelled in MOVED_KEYS:  # an old spelling: the value goes to the new key, errors name both
-            section, key = MOVED_KEYS[spelled].split(".")
-            spelled = f"{spelled} (now {section}.{key})"
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
         fields = _field_types(SECTIONS[section])
         if key not in fields:
             raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
         typ, f = fields[key]
-        self.values[section][key] = _coerce(spelled, value, typ, f)
+        self.values[section][key] = _coerce(f"{section}.{key}", value, typ, f)
 
     def merge(self, data: dict, origin: str) -> None:
         for section, values in data.items():

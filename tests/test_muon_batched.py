@@ -40,7 +40,7 @@ def test_folded_newton_schulz_in_bf16_keeps_the_band():
 
 
 def test_cpus_keep_the_unfolded_form_and_cuda_takes_the_folded_one():
-    # CPU runs recorded before keep their bits (tests/test_optimizer_fixture.py).
+    # A CPU run keeps the bits it had before the folded form existed.
     assert NEWTON_SCHULZ.get("cpu", newton_schulz) is newton_schulz
     assert NEWTON_SCHULZ["cuda"] is newton_schulz_folded
 

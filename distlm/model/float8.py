@@ -103,7 +103,7 @@ class TensorwiseRecipe(Float8Recipe):
     once for both of its matmuls; the weight is kept as it came and cast again with its saved
     scale, since a float8 copy of every unsharded weight would outlive FSDP2's resharding.
     That is eager. Compiled, AOTAutograd's partitioner decides what is kept: for a GPT-2 block
-    on the CPU (2026-11-27) it kept the bf16 inputs and the scales, and casts again in the backward."""
+    on the CPU it kept the bf16 inputs and the scales, and casts again in the backward."""
     name = "tensorwise"
 
     def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -256,8 +256,8 @@ def apply_float8(model: nn.Module, mode: str, emulate: bool = False) -> int:
 
 def check_float8_device(mode: str, device_type: str, capability: Optional[tuple[int, int]] = None) -> None:
     """Refuse train.fp8 where the matmuls cannot run in float8 fast: a CPU, or a GPU older than
-    capability 8.9. torch 2.13 has a CPU torch._scaled_mm, but no fast one: on the 2-core box
-    (loaded by other work, 2026-11-27) a training step of a 4-block, 128-wide model took 424 s
+    capability 8.9. torch 2.13 has a CPU torch._scaled_mm, but no fast one: on a loaded 2-core
+    CPU a training step of a 4-block, 128-wide model took 424 s
     with it, against 8-12 s in bf16 and 14-19 s with the emulation. The tests use both."""
     if mode == "off":
         return

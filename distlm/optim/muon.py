@@ -98,8 +98,8 @@ def newton_schulz_folded(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = t
     the fp32 accumulator. Same polynomial, same step count; per step three kernels instead of
     eight, and one rounding to ``dtype`` per product instead of three (in bf16 the result is
     closer to exact arithmetic than ``newton_schulz``'s). In fp32 on a CPU the two differ in the
-    last bits only (tests/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: runs
-    recorded there resume bit for bit (tests/test_optimizer_fixture.py)."""
+    last bits only (tests/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: a CPU
+    run keeps the bits it had before the folded form existed."""
     a, b, c = coeffs
     tall = g.size(-2) > g.size(-1)
     x = g.mT if tall else g

@@ -125,8 +125,8 @@ class RowwiseBiasAfterReduce(RowwiseParallel):
     torch's RowwiseParallel adds the (replicated) bias to the partial product, before the
     reduce-scatter (all-reduce without SP). Async TP fuses a reduce-scatter only with the
     matmul that feeds it directly, so with a bias in between none of the two per block was
-    fused (measured on 2 x H100, 2026-11-26: "no producer matmul found for reduce scatter" for
-    gpt2-1.5b; bias-free models were not affected). Here the layer multiplies without its bias
+    fused (inductor logs "no producer matmul found for reduce scatter" for gpt2-1.5b; bias-free
+    models are not affected). Here the layer multiplies without its bias
     and the output hook adds it to the reduced, sequence-sharded output: the same sum, the
     same parameter under the same name (checkpoints and exports do not change), and less work
     (the bias is added to 1/tp of the rows). Its gradient, a sum over this rank's rows, is a
@@ -159,7 +159,7 @@ def in_compute_dtype(module: nn.Module, args, output: torch.Tensor) -> torch.Ten
     q/k/v and MLP projections cast it to bf16 anyway. Cast before the block's input is
     gathered, so the all-gather (and its gradient's reduce-scatter) moves bf16: half the
     bytes of half of TP's per-block collectives (they were the fp32 half in the gpt2-1.5b TP2
-    profiles on 2 x H100, 2026-11-26). The forward's numbers are the same; the backward's reduce-scatter now sums the
+    profiles on 2 x H100, docs/results/model-parallel.md). The forward's numbers are the same; the backward's reduce-scatter now sums the
     ranks' partial input gradients in bf16, as Megatron does. Without autocast (fp32, the CPU
     tests) nothing changes."""
     device = output.device.type

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.errors import CheckpointError
-from distlm.config import SECTIONS, Config, ConfigError, OptimConfig, upgraded
+from distlm.config import SECTIONS, Config, ConfigError, OptimConfig
 
 MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # Every architecture field but loss_chunk: they decide the parameters' shapes, or what the
@@ -121,7 +121,6 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     A field missing from an older checkpoint's config counts as its default (new fields
     default to what distlm did before they existed)."""
     out = []
-    saved = upgraded(saved)  # a checkpoint from before 2026-11-27 spells the optimizer train.*
     for key in must_match_fields():
         section, name = key.split(".")
         default = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name).default
