@@ -1,4 +1,13 @@
 """benchmarks/tools/prepare_speed.py end to end at a tiny size."""
+import os
+import sys
+from pathlib import Path
+
+# The lab's tools import as top-level modules, this checkout's distlm first. No conftest.py here:
+# beside tests/conftest.py it would take the module name "conftest" that the product's tests import.
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "tools")]
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # as in tests/conftest.py
 
 
 def test_benchmark_writes_its_table(tmp_path, monkeypatch):
