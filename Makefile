@@ -19,7 +19,7 @@ run: $(VENV)/.installed
 	$(VENV)/bin/distlm demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests benchmarks/tests
 
 # Horovod 0.28.1 (patched to build against torch >= 2.1), cached; see scripts/build_horovod.sh
 horovod: $(VENV)/.installed-dev

@@ -170,10 +170,6 @@ class TrainConfig:
                       help="the blocks' linear layers multiply in float8 (e4m3 forward, e5m2 gradients, dynamic "
                            "scales: one per tensor, or one per row and column); head, embeddings and norms stay "
                            "as they are, parameters and checkpoints too. CUDA capability 8.9+ (distlm/model/float8.py)")
-    fp8_weight_grad: str = choice("float8", "float8", "bf16",
-                                  help="with train.fp8: the weight gradient's matmul in float8, or in bf16, which "
-                                       "needs no transposed float8 copies of the activations and output gradients "
-                                       "at the price of a third of the float8 matmuls (distlm/model/float8.py)")
     memory_check: bool = doc(True, "refuse to start, before the run folder is made or anything allocated, when "
                                    "the planner's memory estimate of this run is more than the device has free "
                                    "(host RAM on CPU, the GPU's free memory on CUDA); false = start anyway, for "
@@ -208,32 +204,6 @@ class OptimConfig:
                                         "(Lion wants train.lr 3-10x below AdamW's and this 3-10x above)")
 
 
-# Keys that moved to another section, old spelling -> new. Configs, presets and command lines
-# written before 2026-11-27, and every run and checkpoint saved before then (config.yaml,
-# run-config.json, the checkpoint marker), spell the optimizer's settings as flat train.*
-# keys; they are read as the new ones, and written back only in the new spelling.
-MOVED_KEYS = {
-    "train.optimizer": "optim.name",
-    **{f"train.{k}": f"optim.{k}" for k in ("muon_lr", "embed_lr", "muon_momentum", "muon_ns_steps",
-                                            "muon_ns_dtype", "muon_weight_decay")},
-}
-
-
-def upgraded(data: dict) -> dict:
-    """A saved or written config mapping with every moved key under its new name (the old
-    spelling's value wins over a default only: a new key given as well is kept)."""
-    out = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
-    for old, new in MOVED_KEYS.items():
-        (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")
-        values = out.get(old_section)
-        if isinstance(values, dict) and old_name in values:
-            value = values.pop(old_name)
-            target = out.setdefault(new_section, {})
-            if isinstance(target, dict):
-                target.setdefault(new_name, value)
-    return out
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     dp_replicate: int = doc(1, "DDP degree (replicas)")
@@ -254,9 +224,6 @@ class ParallelConfig:
     timeout_s: int = doc(120, "process-group timeout, so a hang fails instead of waiting 30 min")
     sequence_parallel: bool = doc(True, "TP: norms and dropout on a slice of the sequence (less memory, same math)")
     loss_parallel: bool = doc(True, "TP: cross-entropy on vocabulary shards; the full logits never exist")
-    async_tp: bool = doc(False, "TP: overlap the sequence-parallel all-gathers and reduce-scatters with the "
-                                "matmuls (compiled, CUDA, symmetric memory); measured no faster for gpt2-1.5b "
-                                "on 2 x H100")
     pp_schedule: str = choice("1f1b", "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                               help="naive = one microbatch, no overlap (the baseline the others beat)")
     pp_microbatches: int = doc(0, "PP: microbatches per step; 0 = local batch / train.micro_batch_size")
@@ -410,17 +377,13 @@ class _Values:
         self.values = {section: dataclasses.asdict(getattr(base, section)) for section in SECTIONS}
 
     def set(self, section: str, key: str, value: Any) -> None:
-        spelled = f"{section}.{key}"
-        if spelled in MOVED_KEYS:  # an old spelling: the value goes to the new key, errors name both
-            section, key = MOVED_KEYS[spelled].split(".")
-            spelled = f"{spelled} (now {section}.{key})"
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
         fields = _field_types(SECTIONS[section])
         if key not in fields:
             raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
         typ, f = fields[key]
-        self.values[section][key] = _coerce(spelled, value, typ, f)
+        self.values[section][key] = _coerce(f"{section}.{key}", value, typ, f)
 
     def merge(self, data: dict, origin: str) -> None:
         for section, values in data.items():
@@ -664,9 +627,6 @@ def _validate_seq_warmup(cfg: Config) -> None:
 def _validate_fp8(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     if t.fp8 == "off":
-        if t.fp8_weight_grad != "float8":
-            raise ConfigError(f"train.fp8_weight_grad={t.fp8_weight_grad} chooses how float8 layers compute their "
-                              f"weight gradient, and train.fp8=off has none; set train.fp8=tensorwise or rowwise")
         return
     # Under tensor parallelism the refusal is the tensor axis's (distlm/layout/tensor.py).
     # torch._scaled_mm: the contraction dim and the weight's two dims must be multiples of 16.

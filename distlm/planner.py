@@ -200,17 +200,16 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
              compute_bytes: int = 2, peak_tflops: float = 989.0, intra_gbs: float = 150.0,
              inter_gbs: float = 25.0, gpus_per_node: Optional[int] = None, mfu: float = MFU,
              sequence_parallel: bool = True, loss_parallel: bool = True,
-             link_gbs: Optional[float] = None, optimizer: Optional[Spec] = None,
+             optimizer: Optional[Spec] = None,
              fused_loss: bool = False) -> Estimate:
     """Memory per GPU on the busiest stage, communication and a step-time guess.
     compute_bytes: 2 for bf16 autocast on GPUs, 4 for fp32 (CPU). intra_gbs / inter_gbs:
     bus bandwidth per GPU inside a node (NVLink) and between nodes (its share of the NICs:
     25 for 200 Gb/s per GPU); gpus_per_node defaults to every GPU of the layout in one node.
-    link_gbs is the former name of intra_gbs. optimizer: the registry's spec whose declared
+    optimizer: the registry's spec whose declared
     state is counted (distlm/optim/; default AdamW). fused_loss: the head and the
     cross-entropy run as one compiled graph (train.compile where the model computes its own
     loss), so no fp32 copy of the logits is ever made."""
-    intra_gbs = intra_gbs if link_gbs is None else link_gbs
     for name, value in (("intra_gbs", intra_gbs), ("inter_gbs", inter_gbs), ("peak_tflops", peak_tflops),
                         ("mfu", mfu)):
         if not value > 0:
@@ -258,7 +257,7 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     # distlm/parallel/parallelize.py): the softmax's fp32 work stays in registers, and what
     # is held is the logits and their gradient in the compute dtype, plus, with a soft cap,
     # the capped logits in fp32 (read by both the log-sum-exp and the gradient, so they are
-    # written out once). Fitted to peaks measured on one H200 (2026-11-27, compiled,
+    # written out once). Fitted to peaks measured on one H200 (compiled,
     # loss_chunk 8192): gpt2-124m-1024 at micro-batch 8, where the eager count was 44-48% too
     # high for AdamW, Muon and Lion alike, and speedrun-124m (soft cap 30) at micro-batch 32;
     # tests/test_memory_estimates.py holds the planner to them.

@@ -1,5 +1,4 @@
-"""A digest of every tensor a distlm checkpoint holds, to compare a resumed run with the one
-recorded in tests/fixtures/optim-62988e0 (scripts/build_optimizer_fixtures.py) bit for bit.
+"""A digest of every tensor a distlm checkpoint holds, to compare two runs' checkpoints bit for bit.
 
 Read through distlm's own safe DCP reader (no code from the files runs). Entries that are not
 tensors (the optimizer groups' hyperparameters) are left out: which keys a group carries is

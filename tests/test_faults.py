@@ -275,6 +275,7 @@ def test_nan_skip_leaves_parameters_and_goes_on(tmp_path, capsys):
     assert "step_0000004 (before the fault) is kept" in out
     before, after, adam_before, adam_after, loss = seen[5]
     assert math.isnan(loss)
+    assert before and len(before) == len(after)
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "a skipped step changed the parameters"
     assert adam_before == adam_after, "a skipped step advanced AdamW"
     for s in (4, 6):  # the steps around it did train

@@ -1,7 +1,7 @@
 """The first hour on a CPU (2026-11-27): speed that fits the CPU, a schedule that ends on time,
 progress a user can follow, and a record of every run, however short.
 
-    speed     Muon's Newton-Schulz dtype is measured per device (train.muon_ns_dtype=auto):
+    speed     Muon's Newton-Schulz dtype is measured per device (optim.muon_ns_dtype=auto):
               fp32 where bf16 is measured slower, bf16 on CUDA; fp32 agrees with bf16 to
               bf16's rounding
     schedule  the CPU demo config's learning-rate schedule ends, with its final evaluation,
@@ -105,7 +105,7 @@ def test_auto_picks_fp32_where_bf16_is_measured_slower_and_measures_once():
 
     assert MatmulDtypeProbe(measure=never).fastest(torch.device("cuda", 0)) is torch.bfloat16
     # An explicit value is kept, and nothing is measured for it.
-    explicit = load_config("demo", DEMO_SYNTHETIC + ["train.muon_ns_dtype=bf16"])
+    explicit = load_config("demo", DEMO_SYNTHETIC + ["optim.muon_ns_dtype=bf16"])
     assert resolve_ns_dtype(explicit, torch.device("cpu"), OneComm(), MatmulDtypeProbe(measure=never))[1] is None
 
 
@@ -114,7 +114,7 @@ def test_build_optimizer_runs_newton_schulz_in_the_configured_dtype():
     cfg = load_config("demo", DEMO_SYNTHETIC)
     model = GPT(cfg.model)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        opt = build_optimizer(model, load_config("demo", DEMO_SYNTHETIC + [f"train.muon_ns_dtype={name}"]), "cpu")
+        opt = build_optimizer(model, load_config("demo", DEMO_SYNTHETIC + [f"optim.muon_ns_dtype={name}"]), "cpu")
         assert isinstance(opt, Muon) and opt.ns_dtype is dtype
 
 

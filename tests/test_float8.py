@@ -114,32 +114,6 @@ def operands(device="cpu", M=256, K=128, N=192):
 
 
 @pytest.mark.parametrize("cls", RECIPES)
-def test_a_bf16_weight_gradient_changes_that_gradient_only(cls):
-    """train.fp8_weight_grad=bf16: the output and the input gradient are the float8 recipe's own,
-    bit for bit; the weight gradient is the bf16 product g^T @ x (fp32 sum, rounded to bf16 once),
-    so it sits within bf16's rounding of fp32, far closer than the float8 one does."""
-    x, w, g = operands()
-    out8, gx8, gw8 = layer_grads(cls(emulate=True), x, w, g)
-    out, gx, gw = layer_grads(cls(emulate=True, bf16_weight_grad=True), x, w, g)
-    assert torch.equal(out, out8) and torch.equal(gx, gx8)
-    exact = g.float().t() @ x.float()
-    assert gw.dtype == torch.float32 and torch.equal(gw, exact.to(torch.bfloat16).float())
-    assert rel(gw, exact) < 4e-3 < rel(gw8, exact)
-
-
-def test_the_config_chooses_the_weight_gradient_of_every_float8_layer():
-    from distlm.parallel.dims import ParallelDims
-    from distlm.parallel.parallelize import parallelize
-    for choice, expected in (("float8", False), ("bf16", True)):
-        cfg = load_config("tiny", ["train.fp8=rowwise", f"train.fp8_weight_grad={choice}", "model.vocab_size=256",
-                                   "train.compile=false"])
-        model = GPT(cfg.model)
-        parallelize(model, ParallelDims(), cfg)
-        layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
-        assert layers and {m.recipe.bf16_weight_grad for m in layers} == {expected}
-
-
-@pytest.mark.parametrize("cls", RECIPES)
 def test_emulated_float8_layer_against_fp32(cls):
     x, w, g = operands()
     out, gx, gw = layer_grads(cls(emulate=True), x, w, g)
@@ -230,15 +204,14 @@ def test_the_model_trains_alike_in_emulated_float8_and_falls_back_on_short_input
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("mode, weight_grad", [("off", "float8"), ("tensorwise", "float8"), ("rowwise", "float8"),
-                                               ("tensorwise", "bf16"), ("rowwise", "bf16")])
-def test_compiled_blocks_match_eager(mode, weight_grad):
+@pytest.mark.parametrize("mode", ["off", "tensorwise", "rowwise"])
+def test_compiled_blocks_match_eager(mode):
     """The autograd function with its recipe object traces under torch.compile, per block as
     parallelize compiles them, in one graph (aot_eager: the graph capture without Inductor's
     kernels); and a plain block, whose fused q/k/v product now asks its layer for a matmul, too."""
     eager, compiled = small_model(), small_model()
     for m in (eager, compiled):
-        apply_float8(m, mode, emulate=True, weight_grad=weight_grad)
+        apply_float8(m, mode, emulate=True)
     for block in compiled.blocks.values():
         block.compile(backend="aot_eager", fullgraph=True)
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
@@ -326,11 +299,6 @@ def test_config_refuses_what_float8_cannot_run():
     with pytest.raises(ConfigError, match=r"model.d_model to be a multiple of 16 .* got 120"):
         load_config("tiny", ["train.fp8=rowwise", "model.d_model=120", "model.n_head=4"])
     load_config("tiny", ["model.d_ff=520"])  # without float8, any width
-    assert load_config("tiny", ["train.fp8=tensorwise", "train.fp8_weight_grad=bf16"]).train.fp8_weight_grad == "bf16"
-    with pytest.raises(ConfigError, match=r"train.fp8_weight_grad=bf16 .* train.fp8=off has none"):
-        load_config("tiny", ["train.fp8_weight_grad=bf16"])
-    with pytest.raises(ConfigError, match="not one of float8, bf16"):
-        load_config("tiny", ["train.fp8=tensorwise", "train.fp8_weight_grad=fp16"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
@@ -350,17 +318,16 @@ def float8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-@pytest.mark.parametrize("bf16_wgrad", [False, True])
 @pytest.mark.parametrize("cls", RECIPES)
 @pytest.mark.gpu
 @pytest.mark.skipif(not float8_gpu(), reason="needs a CUDA GPU of capability 8.9+")
-def test_cuda_scaled_mm_forward_and_backward(cls, bf16_wgrad):
+def test_cuda_scaled_mm_forward_and_backward(cls):
     """torch._scaled_mm against the emulation (the same rounded operands: what differs is the
     accumulation, within 1e-2) and against bf16 matmuls (within the float8 tolerances above),
-    at a gpt2-1.5b MLP's shape; with the weight gradient in bf16 (train.fp8_weight_grad) too."""
+    at a gpt2-1.5b MLP's shape."""
     x, w, g = operands("cuda", M=2048, K=1600, N=6400)
-    real = layer_grads(cls(bf16_weight_grad=bf16_wgrad), x, w, g)
-    emulated = layer_grads(cls(emulate=True, bf16_weight_grad=bf16_wgrad), x, w, g)
+    real = layer_grads(cls(), x, w, g)
+    emulated = layer_grads(cls(emulate=True), x, w, g)
     for a, b in zip(real, emulated):
         assert torch.isfinite(a).all() and rel(a, b) < 1e-2
     out, gx, gw = real

@@ -292,22 +292,10 @@ def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
      "parallel.pp_microbatches=5"),
     (["parallel.pp=2", "parallel.pp_virtual_stages=0"], "pp_virtual_stages must be positive"),
     (["parallel.tp=2", "parallel.engine=horovod"], "tp and pp need engine=torch"),
-    (["parallel.async_tp=true"], "it needs parallel.tp > 1 (got 1)"),
-    (["parallel.tp=2", "parallel.async_tp=true", "parallel.sequence_parallel=false"],
-     "parallel.sequence_parallel=true (got false)"),
-    (["parallel.tp=2", "parallel.async_tp=true", "train.compile=false"], "train.compile not false"),
 ])
 def test_bad_model_parallel_config(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, ["model.vocab_size=256", *extra])
-
-
-def test_async_tp_is_refused_off_cuda():
-    """Symmetric memory is CUDA's: a CPU mesh gets a one-line error before anything compiles."""
-    from types import SimpleNamespace
-    from distlm.parallel.tp import enable_async_tp
-    with pytest.raises(ConfigError, match="parallel.async_tp needs CUDA"):
-        enable_async_tp(SimpleNamespace(device_type="cpu"))
 
 
 ROW_PARALLEL_GRAPH = r"""
@@ -370,33 +358,3 @@ def test_pp_sweep_writes_table_json_and_plot(root, two):
     assert len(table) == 1 + len(rows)
     import matplotlib.image
     assert matplotlib.image.imread(out / "pp-sweep.png").shape[0] > 100
-
-
-def test_async_tp_registers_the_tp_group_for_inductors_pass(tmp_path):
-    """Inductor's async-TP pass fuses nothing for a group that ``is_symm_mem_enabled_for_group``
-    does not know, and torch 2.10-2.13 know it only after the call they mark deprecated:
-    skipping that call made every async-TP run plain TP. Run in a child process (one gloo
-    rank) so the process group and inductor's flag stay out of this test process."""
-    import subprocess
-    import sys
-    code = f"""
-import warnings
-from types import SimpleNamespace
-import torch.distributed as dist
-import torch.distributed._symmetric_memory as symm_mem
-import torch._inductor.config as inductor_config
-from distlm.parallel.tp import enable_async_tp
-dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-group = dist.new_group([0])
-assert not symm_mem.is_symm_mem_enabled_for_group(group.group_name)
-with warnings.catch_warnings():
-    warnings.simplefilter("error")  # the deprecation warning must not reach the user
-    enable_async_tp(SimpleNamespace(device_type="cuda", get_group=lambda: group))
-    enable_async_tp(SimpleNamespace(device_type="cuda", get_group=lambda: group))  # twice: a no-op
-assert symm_mem.is_symm_mem_enabled_for_group(group.group_name)
-assert inductor_config._micro_pipeline_tp
-dist.destroy_process_group()
-print("registered")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "registered" in out.stdout, out.stderr[-2000:]

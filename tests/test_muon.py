@@ -152,7 +152,7 @@ def test_fused_qkv_is_orthogonalised_per_block():
     plain, fused = matrix_params(toy)
     assert [p is toy.blocks["0"].proj.weight for p in plain] == [True]
     assert [p is toy.blocks["0"].attn.qkv.weight for p in fused] == [True]
-    cfg = load_config(None, ["train.optimizer=muon", "train.lr=1e-3", "train.muon_lr=0.02"])
+    cfg = load_config(None, ["optim.name=muon", "train.lr=1e-3", "optim.muon_lr=0.02"])
     opt = build_optimizer(toy, cfg, "cpu")
     assert [(g["kind"], g.get("split")) for g in opt.param_groups] == \
         [("adamw", None), ("adamw", None), ("muon", 1), ("muon", 3)]
@@ -193,7 +193,7 @@ def test_adamw_groups_step_exactly_like_torch_adamw():
     assert set(ours.state[a[0]]) == set(ref.state[b[0]])  # same state keys as torch's AdamW
 
 
-# ---- train.optimizer --------------------------------------------------------------------
+# ---- optim.name --------------------------------------------------------------------
 def test_default_optimizer_is_todays_adamw():
     cfg = load_config(None, TINY + ["model.tie_embeddings=false", "model.position=learned"])
     assert cfg.optim.name == "adamw"
@@ -213,9 +213,9 @@ def test_default_optimizer_is_todays_adamw():
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
-    cfg = load_config(None, TINY + ["train.optimizer=muon", "train.lr=1e-3", "train.muon_lr=0.03",
-                                    "train.muon_momentum=0.9", "train.muon_ns_steps=4",
-                                    "train.muon_weight_decay=0.01", "model.mlp=swiglu"])
+    cfg = load_config(None, TINY + ["optim.name=muon", "train.lr=1e-3", "optim.muon_lr=0.03",
+                                    "optim.muon_momentum=0.9", "optim.muon_ns_steps=4",
+                                    "optim.muon_weight_decay=0.01", "model.mlp=swiglu"])
     model = GPT(cfg.model)  # tied head: the one table is AdamW's, once
     opt = build_optimizer(model, cfg, "cpu")
     names = {id(p): n for n, p in model.named_parameters()}
@@ -236,7 +236,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 
 def test_embed_lr_gives_the_tables_their_own_rate_on_the_schedule():
     # Value embeddings too: every nn.Embedding goes to the group, the head (untied) stays at lr.
-    over = TINY + ["train.optimizer=muon", "train.lr=1e-3", "train.embed_lr=0.05", "model.tie_embeddings=false",
+    over = TINY + ["optim.name=muon", "train.lr=1e-3", "optim.embed_lr=0.05", "model.tie_embeddings=false",
                    "model.n_layer=4", "model.value_embeds=1"]
     cfg = load_config(None, over)
     torch.manual_seed(0)
@@ -270,7 +270,7 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
     resume may change (MAY_CHANGE) must be this run's, and the state the checkpoint's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from distlm.train.optim import config_hyperparameters
-    base = TINY + ["train.optimizer=muon", "train.lr=1e-3", "model.tie_embeddings=false"]
+    base = TINY + ["optim.name=muon", "train.lr=1e-3", "model.tie_embeddings=false"]
 
     def build(extra):
         cfg = load_config(None, base + extra)
@@ -278,11 +278,11 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
         model = GPT(cfg.model)
         return model, build_optimizer(model, cfg, "cpu")
 
-    model, opt = build(["train.muon_lr=0.03", "train.embed_lr=0.1", "train.beta2=0.95", "train.muon_momentum=0.9"])
+    model, opt = build(["optim.muon_lr=0.03", "optim.embed_lr=0.1", "train.beta2=0.95", "optim.muon_momentum=0.9"])
     model(torch.randint(0, 128, (2, 16))).float().square().mean().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    model2, opt2 = build(["train.muon_lr=0.06", "train.embed_lr=0.2", "train.beta2=0.99", "train.muon_momentum=0.8"])
+    model2, opt2 = build(["optim.muon_lr=0.06", "optim.embed_lr=0.2", "train.beta2=0.99", "optim.muon_momentum=0.8"])
     with config_hyperparameters(opt2):
         set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
     kinds = [(g["kind"], round(g["lr_scale"])) for g in opt2.param_groups]
@@ -292,28 +292,28 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
     p, p2 = model.blocks["0"].attn.wq.weight, model2.blocks["0"].attn.wq.weight
     assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
     # Without it the checkpoint's values come back (what resumes did before).
-    model3, opt3 = build(["train.muon_lr=0.06", "train.embed_lr=0.2"])
+    model3, opt3 = build(["optim.muon_lr=0.06", "optim.embed_lr=0.2"])
     set_state_dict(model3, opt3, model_state_dict=msd, optim_state_dict=osd)
     assert round(opt3.param_groups[-1]["lr_scale"]) == 30
 
 
 @pytest.mark.parametrize("override,needle", [("model.tie_embeddings=true", "tie_embeddings"),
-                                             ("train.optimizer=adamw", "name=muon only")])
+                                             ("optim.name=adamw", "name=muon only")])
 def test_embed_lr_refuses_what_it_cannot_mean(override, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config(None, TINY + ["train.optimizer=muon", "train.embed_lr=0.1", "model.tie_embeddings=false",
+        load_config(None, TINY + ["optim.name=muon", "optim.embed_lr=0.1", "model.tie_embeddings=false",
                                   override])
 
 
-@pytest.mark.parametrize("override,needle", [("train.muon_momentum=1.0", "muon_momentum"),
-                                             ("train.muon_ns_steps=0", "muon_ns_steps"),
-                                             ("train.muon_lr=0", "muon_lr")])
+@pytest.mark.parametrize("override,needle", [("optim.muon_momentum=1.0", "muon_momentum"),
+                                             ("optim.muon_ns_steps=0", "muon_ns_steps"),
+                                             ("optim.muon_lr=0", "muon_lr")])
 def test_bad_muon_settings_are_named(override, needle):
     # The config refuses them as it loads, before any optimizer is built.
     with pytest.raises(ConfigError, match=needle):
-        load_config(None, TINY + ["train.optimizer=muon", override])
-    with pytest.raises(ConfigError, match="train.optimizer"):
-        load_config(None, ["train.optimizer=sgd"])
+        load_config(None, TINY + ["optim.name=muon", override])
+    with pytest.raises(ConfigError, match="optim.name"):
+        load_config(None, ["optim.name=sgd"])
 
 
 # ---- checkpoints ------------------------------------------------------------------------
@@ -333,7 +333,7 @@ def test_muon_state_round_trips_bit_exactly(tmp_path):
     from distlm.checkpoint import load_checkpoint, save_checkpoint
     rng = torch.get_rng_state()
     # untied: both AdamW groups exist (decay holds the head)
-    cfg = load_config(None, TINY + ["train.optimizer=muon", "train.lr=1e-3", "model.tie_embeddings=false"])
+    cfg = load_config(None, TINY + ["optim.name=muon", "train.lr=1e-3", "model.tie_embeddings=false"])
     torch.manual_seed(0)
     a = GPT(cfg.model)
     opt_a = build_optimizer(a, cfg, "cpu")

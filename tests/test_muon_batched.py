@@ -1,12 +1,11 @@
-"""Muon's step over stacks of matrices (distlm/optim/muon.py, distlm/parallel/whole_matrix.py,
-distlm/optim/side_stream.py), on a CPU.
+"""Muon's step over stacks of matrices (distlm/optim/muon.py, distlm/parallel/whole_matrix.py),
+on a CPU, and its peak memory on a GPU.
 
 The step works a stack at a time: one foreach pass for the momenta of every matrix, Newton-Schulz
 on each stack of one shape (on CUDA in its folded form, the sums inside the matmuls), and one
 foreach add per stack. Each matrix's update must still be the per-matrix rule: checked here
 against an independent per-matrix reference, and the folded Newton-Schulz against the unfolded
-one. The AdamW and Muon parts of a step must not depend on each other's order, which the side
-CUDA stream relies on (tests/test_muon_side_stream.py checks the stream itself on a GPU)."""
+one."""
 from __future__ import annotations
 
 import math
@@ -19,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from distlm.optim.muon import NEWTON_SCHULZ, Muon, newton_schulz, newton_schulz_folded
-from distlm.optim.side_stream import Inline, overlap_for
 
 
 @pytest.mark.parametrize("shape", [(5, 24, 24), (4, 16, 40), (3, 40, 16), (2, 3, 12, 20), (20, 12)])
@@ -42,7 +40,7 @@ def test_folded_newton_schulz_in_bf16_keeps_the_band():
 
 
 def test_cpus_keep_the_unfolded_form_and_cuda_takes_the_folded_one():
-    # CPU runs recorded before keep their bits (tests/test_optimizer_fixture.py).
+    # A CPU run keeps the bits it had before the folded form existed.
     assert NEWTON_SCHULZ.get("cpu", newton_schulz) is newton_schulz
     assert NEWTON_SCHULZ["cuda"] is newton_schulz_folded
 
@@ -127,39 +125,6 @@ def test_momentum_is_one_pass_and_the_update_one_pass_per_stack(monkeypatch):
     assert add_.calls == 5
 
 
-class _MainFirst:
-    """Runs Muon's part before AdamW's: the reverse of the in-order run."""
-
-    def run(self, side, main):
-        main()
-        side()
-
-
-def test_adamw_and_muon_parts_do_not_depend_on_their_order():
-    results = []
-    for overlap in (Inline(), _MainFirst()):
-        mats, vecs, groups = _params()
-        opt = Muon(groups, lr=1e-3, ns_dtype=torch.float32)
-        opt._overlap[torch.device("cpu")] = overlap
-        for step in range(2):
-            torch.manual_seed(20 + step)
-            for p in [*mats, *vecs]:
-                p.grad = torch.randn_like(p)
-            opt.step()
-        results.append([p.detach().clone() for p in [*mats, *vecs]])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
-def test_the_side_stream_is_a_no_op_on_a_cpu():
-    assert isinstance(overlap_for(torch.device("cpu")), Inline)
-    mats, vecs, groups = _params()
-    opt = Muon(groups, lr=1e-3, ns_dtype=torch.float32)
-    for p in [*mats, *vecs]:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    assert isinstance(opt._overlap[torch.device("cpu")], Inline)
-
-
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of every tensor storage an op creates while some tensor still uses it;
     ``peak``: the most at once."""
@@ -218,3 +183,32 @@ def test_the_declared_step_temporaries_cover_the_steps_peak(monkeypatch):
         opt._muon_step([g for g in opt.param_groups if g["kind"] == "muon"])
     declared = 4 * REGISTRY["muon"].step_temporaries[MATRIX] * sum(p.numel() for p in sum(matrix_params(model), []))
     assert 0.8 * declared <= counter.peak <= declared, (counter.peak, declared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_steps_peak_memory_is_the_declared_temporaries():
+    """MuonSpec.step_temporaries (what the planner adds for the step) against the allocator's
+    peak during a step of a GPT with the speedrun's block shapes, after the state exists."""
+    from distlm.config import load_config
+    from distlm.model.gpt import GPT
+    from distlm.optim import REGISTRY
+    from distlm.optim.base import MATRIX
+    from distlm.optim.groups import matrix_params
+    from distlm.train.optim import build_optimizer
+    cfg = load_config("speedrun-124m", ["model.n_layer=4", "model.vocab_size=1024", "model.value_embeds=1"])
+    dev = torch.device("cuda")
+    model = GPT(cfg.model).to(dev)
+    opt = build_optimizer(model, cfg, "cuda", ns_dtype=torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # makes the state
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    matrices = sum(p.numel() for p in sum(matrix_params(model), []))
+    declared = 4 * REGISTRY["muon"].step_temporaries[MATRIX] * matrices
+    assert 0.8 * declared <= peak <= 1.1 * declared, f"peak {peak / 2**20:.1f} MiB, declared {declared / 2**20:.1f} MiB"

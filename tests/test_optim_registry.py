@@ -1,69 +1,41 @@
-"""Optimizers as components (distlm/optim/): the optim section and its old spellings, each
+"""Optimizers as components (distlm/optim/): the optim section, each
 optimizer's declared state against the state a real step leaves, the planner's use of it, and
 the whole-matrix distribution in distlm/parallel/whole_matrix.py."""
 import dataclasses
 
 import pytest
 import torch
-import yaml
 
-from distlm.config import ConfigError, config_from_dict, load_config, to_yaml
+from distlm.config import ConfigError, load_config
 from distlm.optim import KINDS, MATRIX, OTHER, REGISTRY, spec_for
 from distlm.optim.groups import matrix_params
 from distlm.train.optim import build_optimizer
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
         "model.vocab_size=128", "model.position=sinusoidal"]
-OLD = ["train.optimizer=muon", "train.muon_lr=0.03", "train.embed_lr=0.2", "train.muon_momentum=0.9",
-       "train.muon_ns_steps=4", "train.muon_ns_dtype=fp32", "train.muon_weight_decay=0.01"]
-NEW = ["optim.name=muon", "optim.muon_lr=0.03", "optim.embed_lr=0.2", "optim.muon_momentum=0.9",
-       "optim.muon_ns_steps=4", "optim.muon_ns_dtype=fp32", "optim.muon_weight_decay=0.01"]
 
 
-# ---- the optim section and the spelling before it --------------------------------------
-def test_old_flat_train_keys_load_as_the_optim_section(tmp_path):
-    untied = ["model.tie_embeddings=false"]
-    new = load_config(None, TINY + untied + NEW)
-    assert load_config(None, TINY + untied + OLD) == new
-    # a YAML file in the old spelling (a preset or config written before 2026-11-27)
-    old_file = tmp_path / "old.yaml"
-    old_file.write_text(yaml.safe_dump({"train": {o.split("=")[0].split(".")[1]: yaml.safe_load(o.split("=")[1])
-                                                  for o in OLD}}))
-    assert load_config(str(old_file), TINY + untied) == new
-    # a saved run config (config.yaml, run-config.json, the checkpoint marker) of that day
-    saved = yaml.safe_load(to_yaml(new))
-    saved["train"].update({k.split(".")[1]: v for k, v in (o.split("=") for o in OLD)})
-    del saved["optim"]
-    assert config_from_dict(saved) == new
-    # written back only in the new spelling
-    written = yaml.safe_load(to_yaml(new))
-    assert written["optim"]["name"] == "muon" and not {"optimizer", "muon_lr", "embed_lr"} & set(written["train"])
-
-
-def test_a_bad_value_under_an_old_key_names_both_spellings():
-    with pytest.raises(ConfigError, match=r"train\.optimizer \(now optim\.name\): 'sgd' is not one of"):
-        load_config(None, ["train.optimizer=sgd"])
+# ---- the optim section ------------------------------------------------------------------
+def test_a_bad_optimizer_name_is_refused():
     with pytest.raises(ConfigError, match=r"optim\.name: 'sgd' is not one of"):
         load_config(None, ["optim.name=sgd"])
     with pytest.raises(ConfigError, match=r"optim\.muon_momentum must be in \[0, 1\), got 1\.0"):
         load_config(None, ["optim.name=muon", "optim.muon_momentum=1.0"])
 
 
+def test_a_key_of_the_flat_train_spelling_is_an_unknown_key():
+    """The optimizer's settings live in the optim section only: train.optimizer is refused as any
+    unknown key is, with the nearest real key suggested where there is one."""
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.optimizer'"):
+        load_config(None, ["train.optimizer=muon"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.muon_lr'"):
+        load_config(None, ["train.muon_lr=0.02"])
+
+
 def test_every_registered_optimizer_is_a_choice_of_optim_name():
     field = next(f for f in dataclasses.fields(type(load_config(None).optim)) if f.name == "name")
     assert tuple(REGISTRY) == field.metadata["choices"]
     assert all(spec_for(load_config(None, [f"optim.name={n}"])) is REGISTRY[n] for n in REGISTRY)
-
-
-def test_a_checkpoint_in_the_old_spelling_is_the_same_optimizer_on_resume():
-    from distlm.train.resume_check import differences
-    cfg = load_config(None, TINY + ["model.tie_embeddings=false"] + NEW)
-    saved = yaml.safe_load(to_yaml(cfg))
-    del saved["optim"]
-    saved["train"].update({"optimizer": "muon", "embed_lr": 0.1})
-    assert differences(saved, cfg) == []  # another embedding rate may follow
-    saved["train"]["optimizer"] = "adamw"
-    assert differences(saved, cfg) == [("optim.name", "adamw", "muon")]
 
 
 # ---- each optimizer's declared state ------------------------------------------------------

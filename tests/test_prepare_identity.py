@@ -4,7 +4,7 @@ The digests in fixtures/prepare_identity/digests.json were computed with prepare
 5ec28ac (2026-11-27), before its worker pipeline was reworked for speed: every shard's name,
 token count and sha256, the documents per split and the split method must stay exactly those,
 at 1 and 4 workers and however the inputs are cut into tasks. The corpora are built here from
-the bundled Gutenberg books (distlm.bench.prepare_speed.build_corpora, deterministic); their own
+the bundled Gutenberg books (benchmarks/tools/prepare_speed.py's build_corpora, deterministic); their own
 digests are in the fixture too, so that a change to the corpus builder is told apart from a
 change to prepare.
 
@@ -12,12 +12,15 @@ To recompute (only when the output is meant to change): PYTHONPATH=. python test
 """
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from distlm.bench.prepare_speed import build_corpora
 from distlm.corpus import prepare as prep
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
+from prepare_speed import build_corpora  # noqa: E402  (the lab's corpus builder)
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "prepare_identity" / "digests.json"
 SHAPES = ["small-files", "jsonl", "huge"]

@@ -246,10 +246,10 @@ def test_every_config_field_is_either_kept_or_free_on_resume():
     del saved["model"]["qk_norm"]
     assert differences(saved, cfg) == []
     assert differences(saved, load_config("tiny", ["model.qk_norm=true"])) == [("model.qk_norm", False, True)]
-    # train.embed_lr: another rate may follow, but on <-> off changes the optimizer's groups.
-    muon = ["train.optimizer=muon", "model.tie_embeddings=false"]
-    on = load_config("tiny", muon + ["train.embed_lr=0.3"]).to_dict()
-    assert differences(on, load_config("tiny", muon + ["train.embed_lr=0.6"])) == []
+    # optim.embed_lr: another rate may follow, but on <-> off changes the optimizer's groups.
+    muon = ["optim.name=muon", "model.tie_embeddings=false"]
+    on = load_config("tiny", muon + ["optim.embed_lr=0.3"]).to_dict()
+    assert differences(on, load_config("tiny", muon + ["optim.embed_lr=0.6"])) == []
     assert differences(on, load_config("tiny", muon)) == [("optim.embed_lr", 0.3, 0.0)]
 
 

@@ -1,11 +1,8 @@
 """Float8 against bf16 (train.fp8): tokens/s of large models under FSDP2, the loss after N steps of real text, speedrun-124m.
 
     python benchmarks/run.py float8 --gpus 4 [--items layer,speed,loss,speedrun] [--models gpt2-1.5b,llama-7b]
-        [--recipes tensorwise,rowwise] [--weight-grads float8,bf16] [--loss-steps 1000] [--loss-recipes tensorwise]
+        [--recipes tensorwise,rowwise] [--loss-steps 1000] [--loss-recipes tensorwise]
         [--corpus DIR] [--profile]
-
---weight-grads runs each float8 step once per train.fp8_weight_grad value, beside one bf16 step:
-a recipe with the weight gradient in bf16 is labelled RECIPE+bf16wgrad in the tables.
 
 Items, each a group of steps, all in one run of the suite so bf16 and float8 share the machine:
 
@@ -50,8 +47,6 @@ LOSS = {
     "llama-7b": ["train.global_batch_size=4", "train.micro_batch_size=1", "parallel.activation_checkpoint=full"],
 }
 ITEMS = ("layer", "speed", "loss", "speedrun")
-# train.fp8_weight_grad values, and the suffix each gives a recipe's label.
-WEIGHT_GRADS = {"float8": "", "bf16": "+bf16wgrad"}
 # What --cpu runs instead of the models: tiny, so every step finishes in seconds.
 CPU = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.d_ff=128", "model.block_size=32",
        "train.device=cpu", "train.compile=false", "model.loss_chunk=0", "train.global_batch_size=8",
@@ -65,8 +60,6 @@ def add_arguments(p) -> None:
                                                                   f"{', '.join(SPEED)}")
     p.add_argument("--recipes", default="tensorwise,rowwise", help="train.fp8 values against bf16 (speed, speedrun)")
     p.add_argument("--loss-recipes", default="tensorwise", help="train.fp8 values against bf16 in the loss runs")
-    p.add_argument("--weight-grads", default="float8", help="train.fp8_weight_grad values each float8 step runs "
-                                                            "with (float8, bf16 or both)")
     p.add_argument("--loss-steps", type=int, default=1000, help="training steps of each loss run (default 1000)")
     p.add_argument("--corpus", default="../shared/data/corpus", help="folder holding gutenberg/ sotu/ gcide/")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="hold each process to this much GPU memory")
@@ -86,7 +79,6 @@ def plan(args, ctx: Context) -> list[Step]:
     models = names(args.models, SPEED, "--models")
     recipes = names(args.recipes, ("tensorwise", "rowwise"), "--recipes")
     loss_recipes = names(args.loss_recipes, ("tensorwise", "rowwise"), "--loss-recipes")
-    weight_grads = names(args.weight_grads, WEIGHT_GRADS, "--weight-grads")
     if args.loss_steps < 1:
         raise ValueError(f"--loss-steps must be positive, got {args.loss_steps}")
     gpus = 1 if ctx.cpu else ctx.gpus
@@ -95,16 +87,13 @@ def plan(args, ctx: Context) -> list[Step]:
     report: list[str] = []
 
     def fp8(label: str) -> list[str]:
-        """The overrides of a row: "off", a recipe, or RECIPE+bf16wgrad. On the CPU, which refuses
-        float8, every row runs in bf16 (the plumbing is what is checked there)."""
-        recipe, _, wgrad = label.partition("+")
-        if ctx.cpu:
-            return ["train.fp8=off"]
-        return [f"train.fp8={recipe}", *(["train.fp8_weight_grad=bf16"] if wgrad else [])]
+        """The overrides of a row: "off" or a recipe. On the CPU, which refuses float8, every row
+        runs in bf16 (the plumbing is what is checked there)."""
+        return ["train.fp8=off" if ctx.cpu else f"train.fp8={label}"]
 
     def labels(recipes_: list[str]) -> list[str]:
-        """bf16, then each recipe with each weight gradient."""
-        return ["off", *(r + WEIGHT_GRADS[wg] for r in recipes_ for wg in weight_grads)]
+        """bf16, then each recipe."""
+        return ["off", *recipes_]
 
     def shrink(cmd: list[str]) -> list[str]:
         return [*cmd, *CPU] if ctx.cpu else cmd

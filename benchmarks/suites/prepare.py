@@ -3,8 +3,8 @@
     python benchmarks/run.py prepare --mb-per-worker 40 [--workers 1,4,8,16] [--shapes small-files,jsonl,huge]
     python benchmarks/run.py prepare [--size-mb 512] [--workers 1,4,8,16] [--shapes ...]
 
-Runs `python -m distlm.bench.prepare_speed` with these options (and any after --) into the step's
-folder. Where this checkout has no distlm.bench.prepare_speed the suite says so and runs nothing.
+Runs `python benchmarks/tools/prepare_speed.py` with these options (and any after --) into the step's
+folder. Where this checkout has no such tool the suite says so and runs nothing.
 
 `--mb-per-worker 40` gives the run with N workers N x 40 MiB of each shape, so every run lasts
 about as long (~6 s at the one-process rates of the 16-vCPU GPU machine, 2026-11-27); 1, 4, 8 and
@@ -14,12 +14,12 @@ written first (~4 GB) and the references, come to about 4-5 minutes there by tho
 """
 from __future__ import annotations
 
-import importlib.util
+from pathlib import Path
 
 from run import Context, Step
 from suites import int_list
 
-MODULE = "distlm.bench.prepare_speed"
+TOOL = "benchmarks/tools/prepare_speed.py"
 
 
 def add_arguments(p) -> None:
@@ -35,10 +35,7 @@ def add_arguments(p) -> None:
 
 
 def available() -> bool:
-    try:
-        return importlib.util.find_spec(MODULE) is not None
-    except ModuleNotFoundError:
-        return False
+    return (Path(__file__).resolve().parents[2] / TOOL).is_file()
 
 
 def plan(args, ctx: Context) -> list[Step]:
@@ -49,9 +46,9 @@ def plan(args, ctx: Context) -> list[Step]:
         mb = args.size_mb if args.size_mb is not None else 512
         size = ["--size-mb", str(min(mb, 8) if ctx.cpu else mb)]
     workers = "1,2" if ctx.cpu else args.workers
-    argv = [ctx.python, "-m", MODULE, "--shapes", args.shapes, *size, "--workers", workers,
+    argv = [ctx.python, TOOL, "--shapes", args.shapes, *size, "--workers", workers,
             "--out", "{dir}", *args.rest]
     if not available() and not args.dry_run:
-        print(f"prepare: {MODULE} is not in this checkout ({'distlm/bench/prepare_speed.py'} missing); nothing run")
+        print(f"prepare: {TOOL} is not in this checkout; nothing run")
         return []
     return [Step("prepare-speed", argv)]

@@ -10,8 +10,6 @@ the attention output, the MLP's), compiled with torch.compile like a block:
   rowwise
   tensorwise, fast-accumulating gradients: the same with the backward's two matmuls in the
                tensor cores' fast accumulation too (training keeps it off)
-  ..., bf16 weight gradient: tensorwise and rowwise with the weight gradient's matmul in bf16
-               (train.fp8_weight_grad=bf16): no transposed float8 copies
   fp8 mm only  the three torch._scaled_mm calls on operands already in float8 and in the layouts
                the kernel wants: the floor the casts, scales and transposes add to
   torchao      torchao's float8 training layer (torchao.float8), tensorwise and rowwise, where torchao
@@ -120,12 +118,9 @@ def main(argv=None) -> int:
         w = (0.02 * torch.randn(N, K, generator=gen)).to(device, torch.bfloat16).requires_grad_()
         g = torch.randn(M, N, generator=gen).to(device, torch.bfloat16)
         variants = {"bf16": compile_(lambda x, w: F.linear(x, w))}
-        for key, mode, fast, bf16_wgrad in (("tensorwise", "tensorwise", False, False),
-                                            ("rowwise", "rowwise", False, False),
-                                            ("tensorwise_fast_grads", "tensorwise", True, False),
-                                            ("tensorwise_bf16_wgrad", "tensorwise", False, True),
-                                            ("rowwise_bf16_wgrad", "rowwise", False, True)):
-            recipe = RECIPES[mode](emulate=cpu, fast_accum_grads=fast, bf16_weight_grad=bf16_wgrad)
+        for key, mode, fast in (("tensorwise", "tensorwise", False), ("rowwise", "rowwise", False),
+                                ("tensorwise_fast_grads", "tensorwise", True)):
+            recipe = RECIPES[mode](emulate=cpu, fast_accum_grads=fast)
             variants[key] = compile_(lambda x, w, recipe=recipe: float8_linear(x, w, None, recipe))
         row = {"layer": name, "M": M, "K": K, "N": N}
         for key, fwd in variants.items():
@@ -147,12 +142,11 @@ def main(argv=None) -> int:
         rows.append(row)
     print(f"{args.model if not cpu else 'tiny (CPU, emulated)'}, micro-batch {args.micro}, "
           f"{torch.cuda.get_device_name() if not cpu else 'CPU'}, torch {torch.__version__}; ms per forward + backward")
-    keys = ("bf16", "tensorwise", "rowwise", "tensorwise_fast_grads", "tensorwise_bf16_wgrad", "rowwise_bf16_wgrad",
-            "fp8_mm_only", "torchao_tensorwise", "torchao_rowwise")
+    keys = ("bf16", "tensorwise", "rowwise", "tensorwise_fast_grads", "fp8_mm_only", "torchao_tensorwise",
+            "torchao_rowwise")
     print("| layer | M x K x N | bf16 | tensorwise | rowwise | tensorwise, fast-accumulating gradients "
-          "| tensorwise, bf16 weight gradient | rowwise, bf16 weight gradient "
           "| fp8 mm only | torchao tensorwise | torchao rowwise | tensorwise × bf16 | casts etc. (tensorwise) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     total = {"layer": "block", "M": "", "K": "", "N": "",
              **{k: None if any(r[k] is None for r in rows) else sum(r[k] for r in rows) for k in keys}}
     for r in [*rows, total]:

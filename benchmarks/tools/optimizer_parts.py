@@ -16,8 +16,7 @@ NS_BAND.
 
 Before and after (``--before DIR``, DIR holding another copy of the ``distlm`` package, e.g.
 ``mkdir OLD && git archive main distlm | tar -x -C OLD``): each code in its own processes, in
-turns: ``--rounds`` times ``optimizer.step()`` of the preset (median ms of ``--repeats``; the new
-code also with AdamW on the caller's stream, "new-adamw-inline", to show the side stream's part), then
+turns: ``--rounds`` times ``optimizer.step()`` of the preset (median ms of ``--repeats``), then
 ``--bench-rounds`` times ``distlm bench --config PRESET data.source=synthetic train.on_nan=off``
 (tok/s, step and optimizer phase). Prints ms per optimizer step and whole-step tok/s, old
 against new; logs and JSON go to ``--out``.
@@ -115,9 +114,6 @@ def step_only(args, device: torch.device) -> int:
     """One figure for the before/after comparison: median seconds of optimizer.step()."""
     import distlm
     opt, _ = build(args.config, args.overrides, device)
-    if args.adamw_inline:  # AdamW's groups on the caller's stream, before Muon's (the new code's other parts)
-        from distlm.optim.side_stream import Inline
-        opt._overlap[device] = Inline()
     print(json.dumps({"step_s": timed(opt.step, device, args.repeats), "distlm": distlm.__file__,
                       "device": device_name(device)}))
     return 0
@@ -197,14 +193,11 @@ def median(xs: list[float]):
 
 def measure_steps(args, codes: dict, overrides: list[str], out: Path, env: dict, failed: list) -> dict:
     """optimizer.step() of each code, each measurement its own process, the codes in turns."""
-    # The new code also with AdamW on the caller's stream: what the side stream adds on its own.
-    variants = [(name, code, []) for name, code in codes.items()] + [("new-adamw-inline", codes["new"],
-                                                                      ["--adamw-inline"])]
-    steps: dict = {name: [] for name, _, _ in variants}
+    steps: dict = {name: [] for name in codes}
     for r in range(args.rounds):
-        for name, code, extra in variants:
+        for name, code in codes.items():
             cmd = [args.python, str(Path(__file__).resolve()), "--step-only", "--code", str(code),
-                   "--config", args.config, "--repeats", str(args.repeats), *extra, *overrides]
+                   "--config", args.config, "--repeats", str(args.repeats), *overrides]
             log = out / f"step-{name}-{r}.log"
             rc, text = run(cmd, code, log, args.timeout, env)
             line = text.strip().splitlines()[-1] if text.strip() else ""
@@ -310,7 +303,6 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="--before: a tiny model on the CPU, the plumbing only")
     p.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)  # one code's step, own process
     p.add_argument("--code", type=Path, default=ROOT, help=argparse.SUPPRESS)
-    p.add_argument("--adamw-inline", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = p.parse_args(argv)
     if args.before:

@@ -3,7 +3,7 @@
 A GPU idles when the host cannot issue work as fast as the GPU finishes it. `speedrun-124m` at
 16 sequences a GPU, the share of each GPU on 2 and 4 GPUs, is such a step: its kernels take
 about 40 ms, and its two host threads (the forward and the optimizer on the main thread, the
-backward on autograd's own) were busy 28 ms each of a profiled step on an H200 (2026-11-28).
+backward on autograd's own) were busy 28 ms each of a profiled step on an H200.
 The kernel categories alone show only the GPU's idle time; these figures show whether the host
 is why.
 

@@ -10,8 +10,8 @@ crafted checkpoint could execute anything on load. Here:
   BUILD, SETITEM(S), APPEND(S) and ADDITEMS reach only records and containers that load made.
   The plain tree is then rebuilt, field by field and checked, into fresh DCP objects. So a
   file can neither run code nor change an object that outlives the load (an enum member
-  every later save pickles, a dtype, a class): before 2026-11-27 a BUILD on the contiguous
-  memory-format member made every later checkpoint of the process unreadable.
+  every later save pickles, a dtype, a class): a BUILD on the contiguous memory-format
+  member would make every later checkpoint of the process unreadable.
 - every data file the metadata names is a ``.distcp`` file in the checkpoint folder itself,
   a regular file (not a link out of the folder, not a FIFO that would hang the read).
 - byte entries and the per-rank RNG files go through ``torch.load(weights_only=True)``.

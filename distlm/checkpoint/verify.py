@@ -165,7 +165,7 @@ def _leaves(tree, prefix: str = "") -> dict[str, str]:
 def _check_config(ckpt: Path, config: dict, checksum: str) -> None:
     """The marker's config equals the checkpoint's config.json, whose checksum the marker
     lists (a small file: checked here, on every read of the marker). Markers saved before
-    2026-11-27 have no config.json: their config is taken as it is, as before."""
+    distlm wrote config.json have none: their config is taken as it is."""
     saved_file = ckpt / CONFIG
     try:
         with open_regular(saved_file) as fh:
@@ -216,7 +216,7 @@ def verify_files(ckpt: Path, meta: dict, collective: bool, memo: Optional[Verifi
         note_unverified(ckpt, memo)
         return
     if CONFIG not in files and _rank() == 0 and (memo is None or memo.first_note(f"config:{ckpt.resolve()}")):
-        print(f"note: {ckpt}'s config is not covered by its checksums (saved before 2026-11-27); an edit of it "
+        print(f"note: {ckpt}'s config is not covered by its checksums (saved before distlm recorded one); an edit of it "
               f"would go unnoticed", file=sys.stderr)
     rels = sorted(files)
     unlisted = [r for r in _listed_files(ckpt) if _is_payload(r) and r not in files]

@@ -27,12 +27,10 @@ UNITS = "units"
 
 def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, units: list[Unit], n_files: int,
                  header: dict, resumed: tuple[list[dict], int] | None, workers: int, progress: bool,
-                 part: tuple[int, int] | None, *, journal_seconds: float, cache_chars: int, ahead_bytes: int,
-                 encode=encode_unit) -> dict:
+                 part: tuple[int, int] | None, *, journal_seconds: float, cache_chars: int, ahead_bytes: int) -> dict:
     """Tokenize ``units`` into shards in ``tmp``, resuming from ``resumed`` (``adopt``); the
     manifest's body. ``journal_seconds``, ``cache_chars``: ``prepare.JOURNAL_SECONDS``, ``CACHE_CHARS``;
-    ``ahead_bytes``: input bytes handed to the workers ahead of the unit being appended; ``encode``:
-    what a worker runs for a unit (``encode_unit``, or a wrapper of it: see ``prepare``)."""
+    ``ahead_bytes``: input bytes handed to the workers ahead of the unit being appended."""
     from tqdm import tqdm
     name = options["tokenizer"]
     if name == "gpt2":
@@ -54,8 +52,7 @@ def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, uni
         with tqdm(total=sum(u.size for u in units[start:]), unit="B", unit_scale=True,
                   desc=f"tokenizing ({name})", disable=None if progress else True) as bar, \
                 workers_pool.open_executor(workers, tok) as pool:
-            _run_units(pool, units, start, build, journal, tmp / UNITS, options, ahead_bytes, bar, journal_seconds,
-                       encode)
+            _run_units(pool, units, start, build, journal, tmp / UNITS, options, ahead_bytes, bar, journal_seconds)
         shutil.rmtree(tmp / UNITS)
         if part is None and sum(build.docs) == 0:
             raise DataError(f"no documents in {', '.join(inputs)} ({build.stats.summary()})")
@@ -68,7 +65,7 @@ def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, uni
 
 
 def _run_units(pool, units: list[Unit], start: int, build: _Build, journal: Journal, folder: Path,
-               options: dict, ahead_bytes: int, bar, journal_seconds: float, encode=encode_unit) -> None:
+               options: dict, ahead_bytes: int, bar, journal_seconds: float) -> None:
     """Hand units to the workers, up to ``ahead_bytes`` of input ahead of the one being written,
     and append each finished unit's tokens to the shards in unit order.
 
@@ -81,7 +78,7 @@ def _run_units(pool, units: list[Unit], start: int, build: _Build, journal: Jour
     k, ahead, journaled = start, 0, time.monotonic()
     while k < len(units) or pending:
         while k < len(units) and (not pending or ahead < ahead_bytes or _behind_hash(pending[0], units[k])):
-            pending.append((k, units[k], pool.run(encode, k, units[k], options, str(folder))))
+            pending.append((k, units[k], pool.run(encode_unit, k, units[k], options, str(folder))))
             ahead += units[k].size
             k += 1
         i, unit, future = pending.popleft()

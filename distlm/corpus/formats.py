@@ -168,7 +168,7 @@ def _fast_json_loads():
     """orjson's ``loads`` where it is installed (the ``fast`` extra), else None.
 
     It parses a line of JSONL two to three times faster than ``json`` (4.5 against 10.8 us for a
-    5 KB document on the 2-core box, 2026-11-27: 2% of tokenizing it). It is used only where it
+    5 KB document on a 2-core CPU: 2% of tokenizing it). It is used only where it
     cannot change the output: a line it parses into an object whose field is a string. orjson
     refuses whatever ``json`` refuses, and more besides (invalid UTF-8, lone surrogates, NaN,
     integers past 64 bits); those lines, and every one whose text is missing, null, not a string

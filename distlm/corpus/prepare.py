@@ -66,7 +66,6 @@ from distlm.corpus.shards import Router, ShardWriter
 from distlm.corpus.shards import ShardWriter as _ShardWriter  # noqa: F401 (tests patch it here)
 from distlm.corpus.sources import input_files, plan_units, pretokenized_inputs, resolve_inputs, source_files
 from distlm.corpus.split import SPLITS, TRAIN, VAL, fallback
-from distlm.corpus.worker import encode_unit
 from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
                          same_tokenizer, shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
@@ -91,8 +90,7 @@ JOURNAL_SECONDS = 1.0
 
 def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fraction: float = 0.05,
             seed: int = 0, workers: int | None = None, separator: str | None = None, text_field: str = "text",
-            shard_tokens: int = 100_000_000, progress: bool = True, shard: str | tuple[int, int] | None = None,
-            encode=encode_unit) -> dict:
+            shard_tokens: int = 100_000_000, progress: bool = True, shard: str | tuple[int, int] | None = None) -> dict:
     """Tokenize ``inputs`` (see ``distlm.corpus.sources``) into ``out_dir``; returns the manifest.
 
     ``tokenizer``: "gpt2" or "bpe:N" (trained here on the train documents).
@@ -100,9 +98,6 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
     ``separator``: split each file into documents on this string.
     ``text_field``: the text column of JSONL / Parquet / Arrow inputs.
     ``shard``: "I/N" (or (I, N)): prepare only part I (from 0) of N, for ``merge``.
-    ``encode``: the function a worker runs for each unit, ``worker.encode_unit`` or a wrapper that
-    calls it with the same arguments and returns its result (``distlm.bench.prepare_timeline``
-    records when each unit ran); a module-level function or a partial of one, as workers get it by name.
     Raises DataError, naming the file, line or value, for anything wrong with them.
     """
     inputs, out_dir = [str(i) for i in inputs], Path(out_dir)
@@ -154,7 +149,7 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
         workers = workers or _default_workers(sum(n for j in chosen for _, n in per_source[j]))
         body = prepare_text(inputs, out_dir, tmp, options, units, len(files), header, resumed, workers, progress,
                             part, journal_seconds=JOURNAL_SECONDS, cache_chars=CACHE_CHARS,
-                            ahead_bytes=(2 * workers + 1) * TASK_CHARS, encode=encode)
+                            ahead_bytes=(2 * workers + 1) * TASK_CHARS)
         if part is not None:
             body["part"] = {"index": part[0], "count": part[1], "corpus_fingerprint": fingerprint,
                             **body.pop("candidates")}

@@ -10,8 +10,8 @@ Weights are read lazily (safetensors) or with ``torch.load(weights_only=True)``.
 
 An HF folder may come from anyone, so before a byte of weights is read: every file an index
 names must be a plain name inside the folder and resolve to a regular file (links are
-followed, as in the HF cache's snapshot folders, but never to a device or a FIFO: an index
-naming /dev/zero hung the import before 2026-11-27); a safetensors header is checked in full
+followed, as in the HF cache's snapshot folders, but never to a device or a FIFO: reading an
+index that names /dev/zero would never end); a safetensors header is checked in full
 (its length, each tensor's dtype, shape and byte range, no overlaps) before safetensors maps
 the file; a ``pytorch_model.bin`` is read with weights_only=True and never runs code. Every
 refusal is one InteropError line naming the file and the tensor.

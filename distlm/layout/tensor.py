@@ -31,10 +31,6 @@ class Tensor(Axis):
     def supports(self, cfg, layout) -> None:
         p, t = cfg.parallel, cfg.train
         degree = layout.tp
-        if p.async_tp and (degree == 1 or not p.sequence_parallel or t.compile is False):
-            raise ConfigError("parallel.async_tp pipelines TP's sequence-parallel collectives inside compiled blocks: "
-                              f"it needs parallel.tp > 1 (got {degree}), parallel.sequence_parallel=true (got "
-                              f"{str(p.sequence_parallel).lower()}) and train.compile not false")
         if degree == 1:
             return
         if p.engine != "torch":

@@ -11,11 +11,6 @@ checkpoints do not change: a float8 run resumes in bf16 and back. Only the matmu
 
 Gradients take e5m2 for its range: they span more binades than weights and activations.
 
-``train.fp8_weight_grad=bf16`` keeps the weight gradient's matmul (grad_W = g^T @ x) in bf16.
-torch._scaled_mm takes its left operand row-major and its right one column-major, so in float8
-that matmul needs g and x each copied transposed (their token dim is the contraction); a bf16
-matmul reads them as they are. It gives up a third of the float8 matmuls' gain for those copies
-and their casts, which the gpt2-1.5b profile (docs/results/float8.md) found costly.
 Scaling is dynamic, from each operand's absolute maximum at the moment of the matmul:
 ``tensorwise`` one scale per operand; ``rowwise`` one per row of the left operand and one per
 column of the right one (each along the contraction dim), which follows outliers more closely
@@ -66,15 +61,6 @@ class Float8Recipe:
     # The gradients' matmuls with the float8 tensor cores' fast (lower-precision) accumulation, as
     # the forward's: off in training, as is usual; benchmarks/tools/float8_layer.py measures both.
     fast_accum_grads: bool = False
-    # train.fp8_weight_grad=bf16: the weight gradient's matmul on the unquantised operands.
-    bf16_weight_grad: bool = False
-
-    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """grad^T @ x in the operands' own precision (bf16 under autocast): fp32 accumulation,
-        bf16 out, as F.linear's backward gives it; in fp32 when emulating, rounded the same."""
-        if self.emulate:
-            return (grad.float().t() @ x.float()).to(torch.bfloat16)
-        return grad.t() @ x
 
     def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         raise NotImplementedError
@@ -117,7 +103,7 @@ class TensorwiseRecipe(Float8Recipe):
     once for both of its matmuls; the weight is kept as it came and cast again with its saved
     scale, since a float8 copy of every unsharded weight would outlive FSDP2's resharding.
     That is eager. Compiled, AOTAutograd's partitioner decides what is kept: for a GPT-2 block
-    on the CPU (2026-11-27) it kept the bf16 inputs and the scales, and casts again in the backward."""
+    on the CPU it kept the bf16 inputs and the scales, and casts again in the backward."""
     name = "tensorwise"
 
     def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -126,8 +112,7 @@ class TensorwiseRecipe(Float8Recipe):
     def forward(self, ctx, x, w):
         x8, sx = self.quantize(x, E4M3, dim=1)
         w8, sw = self.quantize(w, E4M3, dim=1)
-        # With the weight gradient in bf16 the backward needs x itself, and no longer x8.
-        ctx.save_for_backward(x if self.bf16_weight_grad else x8, sx, w, sw)
+        ctx.save_for_backward(x8, sx, w, sw)
         ctx.dtypes = x.dtype, w.dtype
         # Fast accumulation in the forward only, as is usual: gradients keep the full-precision sum.
         return self.mm(x8, w8.t(), sx, sw, fast_accum=True)
@@ -140,8 +125,7 @@ class TensorwiseRecipe(Float8Recipe):
         if ctx.needs_input_grad[0]:
             grad_x = self.mm(g8, to_float8(w, sw.reciprocal(), E4M3), sg, sw, self.fast_accum_grads).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = (self.weight_grad(grad, xs) if self.bf16_weight_grad
-                      else self.mm(g8.t(), xs, sg, sx, self.fast_accum_grads)).to(w_dtype)
+            grad_w = self.mm(g8.t(), xs, sg, sx, self.fast_accum_grads).to(w_dtype)
         return grad_x, grad_w
 
 
@@ -167,8 +151,7 @@ class RowwiseRecipe(Float8Recipe):
         if ctx.needs_input_grad[0]:
             grad_x = self.matmul(grad, w, E5M2, E4M3, self.fast_accum_grads).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = (self.weight_grad(grad, x) if self.bf16_weight_grad
-                      else self.matmul(grad.t(), x, E5M2, E4M3, self.fast_accum_grads)).to(w.dtype)
+            grad_w = self.matmul(grad.t(), x, E5M2, E4M3, self.fast_accum_grads).to(w.dtype)
         return grad_x, grad_w
 
 
@@ -253,16 +236,14 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, float8={self.recipe.name}"
 
 
-def apply_float8(model: nn.Module, mode: str, emulate: bool = False,
-                 weight_grad: str = "float8") -> int:
+def apply_float8(model: nn.Module, mode: str, emulate: bool = False) -> int:
     """Swap every nn.Linear inside ``model.blocks`` for a Float8Linear (train.fp8=``mode``; "off"
-    leaves the model as it is), whose weight gradient is in ``weight_grad`` (train.fp8_weight_grad:
-    float8 or bf16). Applied to the plain model, before any parallel wrapper, on the meta device
-    or not. Returns the number of layers swapped."""
+    leaves the model as it is). Applied to the plain model, before any parallel wrapper, on the
+    meta device or not. Returns the number of layers swapped."""
     cls = RECIPES[mode]
     if cls is None:
         return 0
-    recipe = cls(emulate=emulate, bf16_weight_grad=weight_grad == "bf16")
+    recipe = cls(emulate=emulate)
     swapped = 0
     for block in model.blocks.values():
         for parent in list(block.modules()):
@@ -275,8 +256,8 @@ def apply_float8(model: nn.Module, mode: str, emulate: bool = False,
 
 def check_float8_device(mode: str, device_type: str, capability: Optional[tuple[int, int]] = None) -> None:
     """Refuse train.fp8 where the matmuls cannot run in float8 fast: a CPU, or a GPU older than
-    capability 8.9. torch 2.13 has a CPU torch._scaled_mm, but no fast one: on the 2-core box
-    (loaded by other work, 2026-11-27) a training step of a 4-block, 128-wide model took 424 s
+    capability 8.9. torch 2.13 has a CPU torch._scaled_mm, but no fast one: on a loaded 2-core
+    CPU a training step of a 4-block, 128-wide model took 424 s
     with it, against 8-12 s in bf16 and 14-19 s with the emulation. The tests use both."""
     if mode == "off":
         return

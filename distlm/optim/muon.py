@@ -24,8 +24,7 @@ orthogonalises the matrices it holds.
 The step works a stack at a time, not a matrix at a time: one foreach pass updates the
 momenta of every matrix, Newton-Schulz runs once per stack of matrices of one shape (on CUDA
 with its sums folded into the matmuls: ``newton_schulz_folded``), and one foreach pass per
-stack adds the updates. On CUDA the AdamW groups run on a side stream meanwhile
-(distlm/optim/side_stream.py): their memory-bound kernel fills the gaps between Muon's.
+stack adds the updates. The AdamW groups run first, on the same stream.
 
 ``MuonSpec`` is its entry in the optimizer registry (optim.name=muon): the blocks' matrices
 to Muon, everything else to AdamW in the same object.
@@ -44,7 +43,6 @@ from distlm.local_shard import local_shard
 from distlm.optim.adamw import ADAMW_STATE
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
 from distlm.optim.groups import elementwise_kernel, embedding_tables, matrix_params, param_groups
-from distlm.optim.side_stream import overlap_for
 from distlm.parallel.whole_matrix import WholeMatrices
 
 # Newton-Schulz. One step maps X = U S V^T to p(X) = aX + b(XX^T)X + c(XX^T)^2 X
@@ -100,8 +98,8 @@ def newton_schulz_folded(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = t
     the fp32 accumulator. Same polynomial, same step count; per step three kernels instead of
     eight, and one rounding to ``dtype`` per product instead of three (in bf16 the result is
     closer to exact arithmetic than ``newton_schulz``'s). In fp32 on a CPU the two differ in the
-    last bits only (tests/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: runs
-    recorded there resume bit for bit (tests/test_optimizer_fixture.py)."""
+    last bits only (tests/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: a CPU
+    run keeps the bits it had before the folded form existed."""
     a, b, c = coeffs
     tall = g.size(-2) > g.size(-1)
     x = g.mT if tall else g
@@ -165,8 +163,6 @@ class Muon(torch.optim.Optimizer):
         # How many matrices this rank orthogonalised in the last step (tests check the
         # work is spread, not repeated).
         self.last_orthogonalised = 0
-        # Per device: how AdamW's groups run beside Muon's (a side CUDA stream; in order on CPU).
-        self._overlap: dict = {}
         super().__init__(params, dict(lr=lr))
         # Its step honours ``found_inf`` (distlm/optim/base.py) when its AdamW groups run torch's
         # fused kernel, the one that takes the flag (MuonSpec.skips_on_device).
@@ -204,24 +200,15 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # AdamW's groups and Muon's touch disjoint parameters: on CUDA AdamW's kernels run on a
-        # side stream while Muon's matmuls run on the caller's (distlm/optim/side_stream.py).
-        # AdamW's state is made here, on the caller's stream, before the side stream starts.
-        adamw = [job for job in (self._adamw_job(g) for g in self.param_groups if g["kind"] == "adamw") if job]
-        muon = [g for g in self.param_groups if g["kind"] == "muon"]
-        device = adamw[0].device if adamw else None
-        if device is None:
-            self._muon_step(muon)
-            return loss
-        if device not in self._overlap:
-            self._overlap[device] = overlap_for(device)
-        self._overlap[device].run(lambda: [job() for job in adamw], lambda: self._muon_step(muon))
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_step(group)
+        self._muon_step([g for g in self.param_groups if g["kind"] == "muon"])
         return loss
 
     # ---- AdamW ------------------------------------------------------------------------
-    def _adamw_job(self, group: dict):
-        """The group's AdamW update as a ``_AdamWJob`` (its state made now), or None when no
-        parameter of the group has a gradient."""
+    def _adamw_step(self, group: dict) -> None:
+        """One AdamW group's update, its state made on first use."""
         # State as torch.optim.AdamW keeps it (same keys, `step` where its kernels want
         # it), so checkpoints read the same and the fused/foreach kernels apply unchanged.
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -239,15 +226,13 @@ class Muon(torch.optim.Optimizer):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        # found_inf is taken now: the job may run later, on a side stream that waits for this one.
-        return _AdamWJob(group, params, grads, exp_avgs, exp_avg_sqs, steps,
-                         getattr(self, "found_inf", None)) if params else None
-
-    def _adamw_step(self, group: dict) -> None:
-        """One AdamW group's update, on the current stream."""
-        job = self._adamw_job(group)
-        if job:
-            job()
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                     foreach=group["foreach"], fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
+                     lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=False, grad_scale=None, found_inf=getattr(self, "found_inf", None))
 
     # ---- Muon -------------------------------------------------------------------------
     def _muon_step(self, groups: list[dict]) -> None:
@@ -324,25 +309,6 @@ class Muon(torch.optim.Optimizer):
         return out.reshape(n, rows, cols)
 
 
-class _AdamWJob:
-    """One AdamW group's update, its lists gathered (and its state made) beforehand, so it can
-    run later on another stream. ``device``: where its kernels run."""
-
-    def __init__(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list,
-                 found_inf=None):
-        self.group, self.params, self.grads, self.found_inf = group, params, grads, found_inf
-        self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
-        self.device = params[0].device
-
-    def __call__(self) -> None:
-        g = self.group
-        beta1, beta2 = g["betas"]
-        adamw_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
-                     foreach=g["foreach"], fused=g["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
-                     lr=g["lr"] * g["lr_scale"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
-                     grad_scale=None, found_inf=self.found_inf)
-
-
 # The largest share of a model's matrices that one Newton-Schulz stack holds (see MuonSpec).
 LARGEST_STACK = 1 / 3
 
@@ -362,7 +328,7 @@ class MuonSpec(Spec):
     # every tensor a step allocates (on a CPU, the folded form CUDA runs, bf16): 1 + 3 stacks;
     # the unfolded form peaks at 1 + 4. A stack holds the matrices of one shape: in a GPT
     # block at most a third of them (the MLP's input or output projection, d_ff = 4 d_model).
-    # tests/test_muon_side_stream.py measures the peak on a GPU against this.
+    # tests/test_muon_batched.py measures the peak on a GPU against this.
     step_temporaries = {MATRIX: 1.0 + 3 * LARGEST_STACK, OTHER: 0.0}
 
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:

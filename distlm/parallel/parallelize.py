@@ -73,7 +73,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     """
     pcfg = cfg.parallel
     # the blocks' linear layers, before any wrapper
-    apply_float8(model, cfg.train.fp8, weight_grad=cfg.train.fp8_weight_grad)
+    apply_float8(model, cfg.train.fp8)
     parts = None
     hooks: list[BatchHook] = []
     if dims.pp > 1:
@@ -82,10 +82,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         model = parts.model
     inner = model
     if dims.tp > 1:
-        from distlm.parallel.tp import apply_tp, enable_async_tp
+        from distlm.parallel.tp import apply_tp
         apply_tp(model, dims.mesh["tp"], pcfg)
-        if pcfg.async_tp:
-            enable_async_tp(dims.mesh["tp"])
     if dims.cp > 1:  # the model is unchanged: each micro-batch is cut, and the forward told where it sits
         from distlm.parallel.context import apply_context
         hooks.append(apply_context(dims))

@@ -125,8 +125,8 @@ class RowwiseBiasAfterReduce(RowwiseParallel):
     torch's RowwiseParallel adds the (replicated) bias to the partial product, before the
     reduce-scatter (all-reduce without SP). Async TP fuses a reduce-scatter only with the
     matmul that feeds it directly, so with a bias in between none of the two per block was
-    fused (measured on 2 x H100, 2026-11-26: "no producer matmul found for reduce scatter" for
-    gpt2-1.5b; bias-free models were not affected). Here the layer multiplies without its bias
+    fused (inductor logs "no producer matmul found for reduce scatter" for gpt2-1.5b; bias-free
+    models are not affected). Here the layer multiplies without its bias
     and the output hook adds it to the reduced, sequence-sharded output: the same sum, the
     same parameter under the same name (checkpoints and exports do not change), and less work
     (the bias is added to 1/tp of the rows). Its gradient, a sum over this rank's rows, is a
@@ -159,55 +159,13 @@ def in_compute_dtype(module: nn.Module, args, output: torch.Tensor) -> torch.Ten
     q/k/v and MLP projections cast it to bf16 anyway. Cast before the block's input is
     gathered, so the all-gather (and its gradient's reduce-scatter) moves bf16: half the
     bytes of half of TP's per-block collectives (they were the fp32 half in the gpt2-1.5b TP2
-    profiles on 2 x H100, 2026-11-26). The forward's numbers are the same; the backward's reduce-scatter now sums the
+    profiles on 2 x H100, docs/results/model-parallel.md). The forward's numbers are the same; the backward's reduce-scatter now sums the
     ranks' partial input gradients in bf16, as Megatron does. Without autocast (fp32, the CPU
     tests) nothing changes."""
     device = output.device.type
     if torch.is_autocast_enabled(device):
         return output.to(torch.get_autocast_dtype(device))
     return output
-
-
-def enable_async_tp(tp_mesh) -> None:
-    """Async TP: inductor rewrites each all-gather -> matmul and matmul -> reduce-scatter
-    of the compiled blocks into micro-pipelined kernels that copy one peer's chunk over
-    NVLink (symmetric memory, peer-to-peer; no NVLink multicast) while multiplying the
-    chunk already here, so TP's collectives hide behind its matmuls instead of sitting on
-    the critical path (four per block per pass).
-
-    The switch is inductor's process-wide config flag: torch offers no per-model one. It
-    only changes graphs that contain such patterns, i.e. TP's."""
-    if tp_mesh.device_type != "cuda":
-        from distlm.config import ConfigError
-        raise ConfigError("parallel.async_tp needs CUDA GPUs (it uses symmetric memory); "
-                          "leave it off on CPU")
-    import torch._inductor.config as inductor_config
-    inductor_config._micro_pipeline_tp = True
-    register_symm_mem_group(tp_mesh.get_group().group_name)
-
-
-def register_symm_mem_group(group_name: str) -> None:
-    """Make inductor's async-TP pass rewrite this group's collectives.
-
-    The pass fuses a group's all-gather/reduce-scatter with their matmuls only where
-    ``is_symm_mem_enabled_for_group`` says yes, and in torch 2.11 (the GPU image) and 2.13 (the
-    CPU box) that holds only after ``enable_symm_mem_for_group``, which the same versions mark
-    deprecated ("no need to call this function anymore"). Taking the deprecation at its word,
-    distlm skipped the call from c4d1e45 on, and the pass silently fused nothing: the async-TP
-    figures measured from 2026-11-26 until 2026-11-27 ran plain TP (pytorch/pytorch#193027). So the
-    call is made wherever the check does not already pass, with its FutureWarning silenced; a
-    torch whose check no longer needs it returns before the call."""
-    import warnings
-
-    import torch.distributed._symmetric_memory as symm_mem
-    if symm_mem.is_symm_mem_enabled_for_group(group_name):
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group_name)
-    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        raise RuntimeError(f"parallel.async_tp: symmetric memory could not be enabled for TP group {group_name!r}; "
-                           "async TP would silently run as plain TP")
 
 
 def replicate_rest(model: nn.Module, tp_mesh) -> None:

@@ -170,7 +170,7 @@ class WholeMatrices:
         replicated stack is that slice and that all-gather, at about 2 ms of host time a step
         of speedrun-124m under DDP2, a step that waits for its host, and every rank stacked and
         cast all of the matrices to keep 1/n of them. Without it the optimizer's phase of that
-        step went from 9.8 to 8.1 ms (2 x H200, 2026-11-28: docs/results/speed.md)."""
+        step went from 9.8 to 8.1 ms (2 x H200: docs/results/speed.md)."""
         n = mesh.size()
         per, slots = _deal(len(pieces), n, cursor, mesh)
         me = flat_coordinate(mesh)

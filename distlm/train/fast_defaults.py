@@ -120,7 +120,7 @@ def batch_for_layout(t, dp: int) -> dict[str, Any]:
     eval_every, checkpoint_every) are divided by the same factor, rounded, at least 1 where they
     were set: the run trains on as many tokens, in fewer, larger steps, with enough work on each
     GPU. speedrun-124m holds 32 sequences a step: on 4 GPUs that is 8 a GPU, and its step ran at
-    11.0% MFU (511k tok/s on 4 x H100, 2026-11-27), where 16 a GPU ran at 0.94-1.05M tok/s
+    11.0% MFU (511k tok/s on 4 x H100), where 16 a GPU ran at 0.94-1.05M tok/s
     (docs/results/time-to-loss.md). Returns the changed fields, empty where nothing changes."""
     want = dp * t.min_local_batch
     if not t.min_local_batch or t.global_batch_size >= want:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.errors import CheckpointError
-from distlm.config import SECTIONS, Config, ConfigError, OptimConfig, upgraded
+from distlm.config import SECTIONS, Config, ConfigError, OptimConfig
 
 MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # Every architecture field but loss_chunk: they decide the parameters' shapes, or what the
@@ -64,7 +64,7 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
         "device", "dtype", "compile", "compile_scope", "compile_mode", "memory_check",
         # Float8 matmuls on the same parameters, kept in their dtype: a float8 run goes on in bf16 and back.
-        "fp8", "fp8_weight_grad",
+        "fp8",
         # Fault handling.
         "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s", "stop_check_every"),
     # Every optimizer's own settings (rates, momenta, decay, Muon's Newton-Schulz steps and the
@@ -121,7 +121,6 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     A field missing from an older checkpoint's config counts as its default (new fields
     default to what distlm did before they existed)."""
     out = []
-    saved = upgraded(saved)  # a checkpoint from before 2026-11-27 spells the optimizer train.*
     for key in must_match_fields():
         section, name = key.split(".")
         default = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name).default

@@ -9,8 +9,8 @@ never blocks a resume. A record lock belongs to the process, not to one open fil
 second Trainer in the same process (a resume in a notebook, a test) takes it again.
 
 A run folder may come from someone else (a tarball), so nothing in it is followed out of
-it: ``.lock`` is opened with O_NOFOLLOW (before 2026-11-27 a ``.lock`` linked to any file
-had that file truncated to the trainer's PID), and once the lock is held the folder is
+it: ``.lock`` is opened with O_NOFOLLOW (else a ``.lock`` linked to any file would have
+that file truncated to the trainer's PID), and once the lock is held the folder is
 checked to hold only regular files and folders: distlm appends to metrics.csv, rewrites
 samples.txt and reads checkpoints there, and a link among them would write or read
 elsewhere, a FIFO would hang. Each refusal is one line naming the path.

@@ -10,7 +10,7 @@ Two clocks say how far along the schedule a step is (train.schedule_clock):
             decay still runs whole and ends at the limit, and the run ends with it. A budget
             of steps measured in the first steps would be deterministic, but a shared or
             throttled machine changes speed during a run (the demo's step took 2.8 to 5.4 s
-            within one run on a loaded 2-core box, 2026-11-27), and then the limit cuts the
+            within one run on a loaded 2-core box), and then the limit cuts the
             cooldown off or leaves time unused; the time share follows the machine to the end. The rates depend on the clock, so this
             clock is for runs that must end on time (the CPU demo), not for resume tests.
 """

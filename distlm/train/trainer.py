@@ -72,7 +72,8 @@ class Trainer:
         self.background_save_group = (background_save_group(cfg.parallel.timeout_s)
                                       if cfg.train.async_checkpoint else None)
         # Apart from the process group: on GPUs each of the mesh's groups is an NCCL communicator
-        # split off the world's at start-up (4 GPUs, 2026-11-27: the two together took 4.6-6.0 s).
+        # split off the world's at start-up (on 4 GPUs the two together took 4.6-6.0 s:
+        # docs/results/time-to-loss.md).
         clock.lap("device mesh")
         self.task = build_task(cfg)
         # The config is resolved against the data once, here, and frozen from then on.
@@ -221,8 +222,7 @@ class Trainer:
         self.tokens_seen = int(state["tokens_seen"])
         self.loader.load_state_dict(state["loader"])
         self.best_val, self.best_ckpt = state.get("best_val"), state.get("best_ckpt")
-        # Runs saved before 2026-11-27 protected one checkpoint per fault; only the latest counts.
-        self.protected, self.nan_skips = list(state.get("protected", []))[-1:], int(state.get("nan_skips", 0))
+        self.protected, self.nan_skips = list(state.get("protected", [])), int(state.get("nan_skips", 0))
         self.lr_clock.load_state_dict(state.get("lr_clock", {}))  # absent before train.schedule_clock
 
     # ---- the step -----------------------------------------------------------------
@@ -492,7 +492,7 @@ class Trainer:
 
     def _retry_final_save(self, val_loss: Optional[float]) -> Path:
         """train.on_save_error=continue trains on past a failed save, but a run must not end on
-        one: before 2026-11-27 it ended "done ... checkpoint None" with exit 0 and its last steps
+        one, or it would end "done ... checkpoint None" with exit 0 and its last steps
         lost. The final checkpoint is tried once more; if that fails too, the run stops
         (exit 3) naming the newest step that can be resumed."""
         self._failed_save = None

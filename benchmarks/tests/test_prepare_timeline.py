@@ -1,12 +1,22 @@
-"""The prepare timeline (distlm.bench.prepare_timeline): its figures add up, it sees every task,
+"""The prepare timeline (benchmarks/tools/prepare_timeline.py): its figures add up, it sees every task,
 and wrapping the workers' entry point changes no byte of the output."""
-import json
+import os
+import sys
+from pathlib import Path
 
-import pytest
+# The lab's tools import as top-level modules, this checkout's distlm first. No conftest.py here:
+# beside tests/conftest.py it would take the module name "conftest" that the product's tests import.
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "tools")]
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # as in tests/conftest.py
 
-from distlm.bench import prepare_timeline as tl
-from distlm.corpus import prepare as prep
-from distlm.corpus import sources
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+import prepare_timeline as tl  # noqa: E402
+from distlm.corpus import prepare as prep  # noqa: E402
+from distlm.corpus import sources  # noqa: E402
 
 
 def test_summary_of_a_known_timeline():

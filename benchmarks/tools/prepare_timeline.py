@@ -1,7 +1,7 @@
 """Where the wall time of one ``prepare`` goes with N workers: a timeline of its tasks and the
 parent's CPU by part.
 
-    python -m distlm.bench.prepare_timeline --rows huge-txt,small-files,jsonl --mb-per-worker 40 \
+    python benchmarks/tools/prepare_timeline.py --rows huge-txt,small-files,jsonl --mb-per-worker 40 \
         --workers 16 --work /tmp/prepare-timeline
 
 For each row (corpus shape) this writes a corpus of N x M MiB from the bundled Gutenberg texts
@@ -48,7 +48,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from distlm.host import usable_cores
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from distlm.host import usable_cores  # noqa: E402
 
 ROWS = {"small-files": (1 << 20, ".txt"), "jsonl": (16 << 20, ".jsonl"), "huge-txt": (None, ".txt"),
         "huge-jsonl": (None, ".jsonl")}  # row: (bytes a file, None for one file of the whole size; suffix)
@@ -91,8 +92,9 @@ def process_start() -> float | None:
 
 
 def timed_encode_unit(trace_dir: str, tok, k: int, unit, options: dict, folder: str) -> dict:
-    """``worker.encode_unit``, and a line about it in ``trace_dir/<pid>.jsonl``: given to
-    ``prepare(encode=partial(timed_encode_unit, trace_dir))``; forked workers get it by name."""
+    """``worker.encode_unit``, and a line about it in ``trace_dir/<pid>.jsonl``: put in place of the
+    pipeline's ``encode_unit`` (``profile_prepare``) as ``partial(timed_encode_unit, trace_dir)``;
+    workers get it by name."""
     from distlm.corpus.worker import encode_unit
     start = clock()
     result = encode_unit(tok, k, unit, options, folder)
@@ -107,16 +109,20 @@ def timed_encode_unit(trace_dir: str, tok, k: int, unit, options: dict, folder: 
 
 def profile_prepare(inputs: list[str], workers: int, out: Path, trace_dir: Path) -> dict:
     """One ``prepare`` of ``inputs`` with ``workers`` workers, timed; ``summarize``'s input."""
+    from distlm.corpus import build
     from distlm.corpus.prepare import prepare
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(trace_dir, ignore_errors=True)
     trace_dir.mkdir(parents=True)
     profiler = cProfile.Profile(time.thread_time)
     cpu0, main0, t0 = time.process_time(), time.thread_time(), clock()
+    real, build.encode_unit = build.encode_unit, partial(timed_encode_unit, str(trace_dir))
     profiler.enable()
-    manifest = prepare(list(inputs), out, workers=workers, progress=False,
-                       encode=partial(timed_encode_unit, str(trace_dir)))
-    profiler.disable()
+    try:
+        manifest = prepare(list(inputs), out, workers=workers, progress=False)
+    finally:
+        profiler.disable()
+        build.encode_unit = real
     t1, main1, cpu1 = clock(), time.thread_time(), time.process_time()
     tasks = [json.loads(ln) for f in sorted(trace_dir.glob("*.jsonl")) for ln in f.read_text().splitlines()]
     shutil.rmtree(trace_dir)
@@ -222,7 +228,7 @@ def chart(run: dict, columns: int = 60) -> str:
 
 def write_row(row: str, size: int, folder: Path, seed: int = 0) -> list[str]:
     """The corpus of ``row`` (see ROWS), ``size`` bytes, under ``folder/row``; its input paths."""
-    from distlm.bench.prepare_speed import _Documents, _paragraphs_cached, _write_files
+    from prepare_speed import _Documents, _paragraphs_cached, _write_files
     file_bytes, suffix = ROWS[row]
     path = Path(_write_files(folder / row, _Documents(_paragraphs_cached(()), seed), size, file_bytes or size,
                              suffix))
@@ -239,7 +245,7 @@ def profile_in(inputs: list[str], workers: int, work: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_timeline", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/tools/prepare_timeline.py", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="huge-txt,small-files,jsonl", help=f"comma-separated, from {', '.join(ROWS)}")
     ap.add_argument("--workers", default=None, help="worker counts, comma-separated (default: every core)")
     ap.add_argument("--mb-per-worker", type=float, default=40.0, help="N x this many MiB of input a row")
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--rows: unknown row {r!r} (choose from {', '.join(ROWS)})")
     cores = usable_cores()
     counts = [int(w) for w in args.workers.split(",")] if args.workers else [cores]
-    from distlm.bench.prepare_speed import in_fresh_process, machine
+    from prepare_speed import in_fresh_process, machine
     print(machine(), flush=True)
     shutil.rmtree(args.work, ignore_errors=True)
     begun, out = time.perf_counter(), {}
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             inputs = write_row(row, int(args.mb_per_worker * workers * (1 << 20)), args.work / "corpora")
             built = time.perf_counter() - t
-            run = in_fresh_process("distlm.bench.prepare_timeline:profile_in", inputs, workers, str(args.work))
+            run = in_fresh_process("prepare_timeline:profile_in", inputs, workers, str(args.work))
             key = row if len(counts) == 1 else f"{row}@{workers}"
             out[key] = summarize(run)
             print(f"(corpus written in {built:.1f} s)\n" + report(row, out[key]), flush=True)

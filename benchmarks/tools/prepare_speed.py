@@ -1,8 +1,8 @@
 """`prepare` speed on three corpus shapes, as a ratio to the tokenizer's own speed.
 
-    python -m distlm.bench.prepare_speed --shapes small-files,jsonl,huge --mb-per-worker 40 \
+    python benchmarks/tools/prepare_speed.py --shapes small-files,jsonl,huge --mb-per-worker 40 \
         --workers 1,4,8,16 --out /tmp/prepare-speed [--work /tmp/prepare-corpora]
-    python -m distlm.bench.prepare_speed ... --size-mb 200    (one corpus size for every worker count)
+    python benchmarks/tools/prepare_speed.py ... --size-mb 200    (one corpus size for every worker count)
 
 ``--out`` receives only the tables (prepare_speed.md, .csv); the corpora go to ``--work``.
 
@@ -75,9 +75,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from distlm.host import usable_cores
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from distlm.host import usable_cores  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "gutenberg" / "gutenberg.tar.xz"
+ASSETS = ROOT / "distlm" / "assets" / "gutenberg" / "gutenberg.tar.xz"
 SHAPES = ("small-files", "jsonl", "huge")
 SMALL_FILE_BYTES = 1 << 20
 JSONL_FILE_BYTES = 16 << 20
@@ -326,11 +328,11 @@ def _peak_rss_mb(usage) -> float:
 
 def in_fresh_process(target: str, *args) -> dict:
     """``target`` ("module:function") called with ``args`` (JSON values) in a fresh Python process,
-    this checkout's distlm first on its path, so that each run's peak memory and imports are its own;
-    its JSON result."""
+    this checkout's distlm and these tools first on its path, so that each run's peak memory and
+    imports are its own; its JSON result."""
     code = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
             "print('RESULT ' + json.dumps(getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).resolve().parent),
                                                         *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-c", code, target, json.dumps(args)], env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -370,7 +372,7 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m distlm.bench.prepare_speed", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/tools/prepare_speed.py", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--size-mb", type=float, default=None,
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         refs, runs = [], []
         for w in counts:
             refs.append(reference_rate(pieces))  # just before the run: the machine as the run finds it
-            runs.append((w, in_fresh_process("distlm.bench.prepare_speed:measure_one", inputs[name][sizes[w]], w,
+            runs.append((w, in_fresh_process("prepare_speed:measure_one", inputs[name][sizes[w]], w,
                                                str(work / "prepared"))))
             print(f"  {name}, {w} workers: {runs[-1][1]['input_bytes'] / 1e6:.0f} MB in {runs[-1][1]['wall_s']:.1f} s; "
                   f"the 1-process reference just before: {refs[-1][0] / 1e6:.2f} MB/s", flush=True)
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{w}: {c / 1e6:.1f}" for w, c in ceilings.items()), flush=True)
     table = markdown(rows)
     print("\n" + table)
-    command = "python -m distlm.bench.prepare_speed " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/tools/prepare_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (args.out / "prepare_speed.md").write_text(f"{machine()}\n\n`{command}`\n\n{table}")
     with open(args.out / "prepare_speed.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
