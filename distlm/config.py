@@ -617,6 +617,19 @@ def _validate_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe.top_k={e.top_k} is above model.moe.experts={e.experts}")
     if e.first_dense >= m.n_layer:
         raise ConfigError(f"model.moe.first_dense={e.first_dense} leaves no MoE block in model.n_layer={m.n_layer}")
+    p = cfg.parallel
+    # The experts are whole on every rank and tokens never leave it: data parallelism
+    # (DDP, FSDP2) only. Tensor and pipeline parallelism would need the experts' own plans.
+    for key, degree in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
+        if degree > 1:
+            raise ConfigError(f"model.moe.experts={e.experts} does not support parallel.{key}={degree}: an MoE "
+                              f"model runs under data parallelism (parallel.dp_replicate, parallel.dp_shard)")
+    if p.engine != "torch":
+        raise ConfigError(f"model.moe.experts={e.experts} needs parallel.engine=torch: the routing biases are "
+                          f"updated from the load summed over the ranks through torch.distributed")
+    if cfg.train.fp8 != "off":
+        raise ConfigError(f"model.moe.experts={e.experts} does not support train.fp8={cfg.train.fp8}: the float8 "
+                          f"layers replace nn.Linear, and the experts are 3-D parameters")
 
 
 def _at_least(lo):
