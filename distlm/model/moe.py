@@ -17,7 +17,7 @@ The experts' weights are 3-D, one matrix per expert: ``w_in`` and ``w_gate`` (E,
 three matmuls run in one of three forms (``moe.kernel``), the same numbers in fp32:
 
   grouped  torch._grouped_mm with the group offsets: one kernel per matmul, no padding, no
-           host sync (the GPU form; torch >= 2.8 has it, on CPUs too in fp32)
+           host sync (the GPU form, in bf16; torch >= 2.8 has it, eager on CPUs in fp32 too)
   bmm      every expert's tokens padded to the whole batch, one torch.bmm: static shapes,
            E/k times the useful FLOPs
   loop     one matmul per expert, split by the counts read on the host (a sync per layer)
@@ -62,9 +62,13 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def resolve_kernel(kernel: str, device: torch.device) -> str:
+def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
+    """auto: grouped where it has its fast kernel (CUDA, bf16, as under autocast), else the loop.
+    (torch's grouped matmul takes fp32 on CPUs eagerly, but its compile-time shape function
+    insists on bf16, as CUDA's kernel does.)"""
     if kernel == "auto":
-        return "grouped" if device.type == "cuda" and grouped_mm_available() else "loop"
+        fast = x.device.type == "cuda" and _compute_dtype(x) == torch.bfloat16
+        return "grouped" if fast and grouped_mm_available() else "loop"
     if kernel == "grouped" and not grouped_mm_available():
         raise ConfigError(f"model.moe.kernel=grouped needs torch._grouped_mm, which torch {torch.__version__} "
                           f"lacks; use model.moe.kernel=bmm or loop")
@@ -178,7 +182,7 @@ class MoE(nn.Module):
             self.aux_loss = self.aux_weight * E / (k * N) * (counts.to(share.dtype) * share.mean(0)).sum()
         order = torch.argsort(flat, stable=True)
         token = order // k
-        kernel = resolve_kernel(self.kernel, x.device)
+        kernel = resolve_kernel(self.kernel, x)
         out = expert_mlp(x[token], flat[order], counts, self.w_in, self.w_gate, self.w_out, self.act, kernel)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         y = torch.zeros_like(x, dtype=out.dtype).index_add_(0, token, out).to(x.dtype)
