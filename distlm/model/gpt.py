@@ -22,7 +22,7 @@ from distlm.config import ConfigError, ModelConfig
 from distlm.local_shard import local_shard
 from distlm.model.attention import attend, block_mask, dense_mask, document_ids, flex_usable
 from distlm.model.loss import chunked_head_loss, lm_loss
-from distlm.model.moe import MoE, inactive_params, is_moe_layer
+from distlm.model.moe import MoE, expert_width, inactive_params, is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -216,7 +216,8 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, value_embed=value_embed_table(cfg, layer) is not None)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MoE(cfg) if is_moe_layer(cfg, layer) else MLP(cfg)
+        self.mlp = MLP(cfg) if not is_moe_layer(cfg, layer) else \
+            MoE(cfg, MLP(cfg, d_ff=cfg.moe.shared * expert_width(cfg)) if cfg.moe.shared else None)
 
     def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
                 ve=None):

@@ -135,9 +135,9 @@ def expert_mlp(xs: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor,
 class MoE(nn.Module):
     """The MLP of an MoE block: (B, T, d) -> (B, T, d)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
+        """``shared``: the shared experts, one MLP of their summed width (moe.shared x moe.d_ff)."""
         super().__init__()
-        from distlm.model.gpt import MLP  # the shared experts are one MLP of their summed width
         e = cfg.moe
         d, f = cfg.d_model, expert_width(cfg)
         self.n_experts, self.top_k, self.route_scale = e.experts, e.top_k, e.route_scale
@@ -146,7 +146,7 @@ class MoE(nn.Module):
         self.w_in = nn.Parameter(torch.empty(e.experts, d, f))
         self.w_gate = nn.Parameter(torch.empty(e.experts, d, f)) if cfg.mlp == "swiglu" else None
         self.w_out = nn.Parameter(torch.empty(e.experts, f, d))
-        self.shared = MLP(cfg, d_ff=e.shared * f) if e.shared else None
+        self.shared = shared
         self.drop = nn.Dropout(cfg.dropout)
         # Persistent: checkpointed with the weights, so a resumed run routes as it would have.
         self.register_buffer("expert_bias", torch.zeros(e.experts), persistent=True)
