@@ -308,3 +308,30 @@ def test_training_a_tiny_moe_learns_logs_its_load_and_resumes_bit_exact(tmp_path
     for a, b in zip(rows(run), rows(tmp_path / "crashed")):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
     assert summary["val_loss"] == pytest.approx(float(rows(tmp_path / "crashed")[-1]["val_loss"]), abs=0)
+
+
+def test_the_moe_preset_is_the_speedrun_at_its_active_shape():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from suites.time_to_loss import ABLATIONS
+    preset = load_config("speedrun-moe")
+    assert preset == load_config("speedrun-124m", ABLATIONS["moe"].split())
+    m = dataclasses.replace(preset.model, vocab_size=50304)
+    dense = dataclasses.replace(m, moe=dataclasses.replace(m.moe, experts=0))
+    with torch.device("meta"):
+        n_moe, n_dense = GPT(m).num_params(), GPT(dense).num_params()
+    # Same FLOPs per token but the router's (12 - 1 blocks x 16 x 768 x 6).
+    assert flops_per_token(m, n_moe) - flops_per_token(dense, n_dense) == 6 * 11 * 16 * 768
+
+
+def test_kernel_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
+    import moe_kernels
+    assert moe_kernels.main(["--cpu", "--json", str(tmp_path / "k.json")]) == 0
+    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    assert {(r["load"], r["kernel"]) for r in rows} == {(load, k) for load in ("even", "skewed") for k in KERNELS}
+    assert all(r["ms"] > 0 for r in rows)

@@ -98,9 +98,10 @@ class Experts:
 
 
 def expert_mlp(xs: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor,
-               w_gate, w_out: torch.Tensor, act: str, kernel: str) -> torch.Tensor:
+               w_gate, w_out: torch.Tensor, act: str, kernel: str, capacity: int | None = None) -> torch.Tensor:
     """Every routed copy's expert MLP: ``xs`` (M, d) sorted by expert, ``expert_ids`` (M,)
-    its expert, ``counts`` (E,) copies per expert. Returns (M, d) in the same order."""
+    its expert, ``counts`` (E,) copies per expert. Returns (M, d) in the same order.
+    ``capacity``: bmm's rows per expert, at least the largest count (default M)."""
     E = w_in.shape[0]
 
     def activate(h, g):
@@ -111,12 +112,13 @@ def expert_mlp(xs: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor,
         return F.gelu(h, approximate="tanh")
 
     if kernel == "bmm":
-        # Each expert's copies at their rank within the expert, in an (E, capacity, d) batch;
-        # capacity = M covers any load, so nothing is dropped and no shape depends on the data.
+        # Each expert's copies at their rank within the expert, in an (E, capacity, d) batch. The
+        # MoE block passes its token count: a token picks k distinct experts, so no expert gets
+        # more, nothing is dropped, and no shape depends on the data.
         M = xs.shape[0]
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(M, device=xs.device) - starts[expert_ids]
-        padded = xs.new_zeros(E, M, xs.shape[1])
+        padded = xs.new_zeros(E, capacity or M, xs.shape[1])
         padded[expert_ids, slot] = xs
         h = torch.bmm(padded, w_in)
         g = torch.bmm(padded, w_gate) if w_gate is not None else None
@@ -183,7 +185,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k
         kernel = resolve_kernel(self.kernel, x)
-        out = expert_mlp(x[token], flat[order], counts, self.w_in, self.w_gate, self.w_out, self.act, kernel)
+        out = expert_mlp(x[token], flat[order], counts, self.w_in, self.w_gate, self.w_out, self.act, kernel,
+                         capacity=N)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         y = torch.zeros_like(x, dtype=out.dtype).index_add_(0, token, out).to(x.dtype)
         if self.shared is not None:
