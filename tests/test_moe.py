@@ -38,8 +38,8 @@ def reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
         w = s[top] / s[top].sum() * m.route_scale
         y = torch.zeros_like(t)
         for e, we in zip(top.tolist(), w):
-            h = F.silu(t @ m.w_gate[e]) * (t @ m.w_in[e])
-            y = y + we * (h @ m.w_out[e])
+            h = F.silu(t @ m.experts.w_gate[e]) * (t @ m.experts.w_in[e])
+            y = y + we * (h @ m.experts.w_out[e])
         if m.shared is not None:
             y = y + m.shared(t[None])[0]
         out.append(y)
@@ -50,13 +50,13 @@ def reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_every_kernel_is_the_token_by_token_sum(kernel):
     m = moe_block("model.moe.shared=1", "model.moe.d_ff=48")
     m.kernel = kernel
-    x = torch.randn(2, 7, m.w_in.shape[1])
+    x = torch.randn(2, 7, m.experts.w_in.shape[1])
     torch.testing.assert_close(m(x), reference(m, x), rtol=1e-5, atol=1e-6)
 
 
 def test_routing_uses_the_bias_for_the_choice_only():
     m = moe_block()
-    x = torch.randn(12, m.w_in.shape[1])
+    x = torch.randn(12, m.experts.w_in.shape[1])
     chosen, weights, scores = m.route(x)
     assert chosen.shape == (12, 2)
     torch.testing.assert_close(weights.sum(-1), torch.ones(12))
@@ -74,7 +74,7 @@ def test_dropless_under_a_skewed_router():
     with torch.no_grad():
         m.router.weight.zero_()
         m.expert_bias.copy_(torch.tensor([1.0, 1.0, 0.0, 0.0]))
-    x = torch.randn(3, 5, m.w_in.shape[1])
+    x = torch.randn(3, 5, m.experts.w_in.shape[1])
     for kernel in KERNELS:
         m.kernel = kernel
         torch.testing.assert_close(m(x), reference(m, x), rtol=1e-5, atol=1e-6)
@@ -196,7 +196,8 @@ def test_placement_widths_and_active_flops():
     assert moe_layers(cfg) == [1, 3, 5]
     m = GPT(cfg)
     block = m.blocks["1"].mlp
-    assert tuple(block.w_in.shape) == (8, cfg.d_model, 32) and tuple(block.w_out.shape) == (8, 32, cfg.d_model)
+    assert tuple(block.experts.w_in.shape) == (8, cfg.d_model, 32)
+    assert tuple(block.experts.w_out.shape) == (8, 32, cfg.d_model)
     assert block.shared.w_in.weight.shape[0] == 64
     assert not isinstance(m.blocks["2"].mlp, MoE)
     per_expert = 3 * cfg.d_model * 32

@@ -251,7 +251,7 @@ def moe_tensors(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {}
     for i in moe_layers(cfg):
         h, b = f"model.layers.{i}.mlp.", f"blocks.{i}.mlp."
-        w_gate, w_in, w_out = (sd[b + n].float().cpu().transpose(1, 2) for n in ("w_gate", "w_in", "w_out"))
+        w_gate, w_in, w_out = (sd[b + n].float().cpu().transpose(1, 2) for n in ("experts.w_gate", "experts.w_in", "experts.w_out"))
         out[h + "experts.gate_up_proj"] = torch.cat((w_gate, w_in), 1)
         out[h + "experts.down_proj"] = w_out
         out[h + "gate.e_score_correction_bias"] = sd[b + "expert_bias"].float().cpu()

@@ -345,7 +345,7 @@ class GPT(nn.Module):
         """
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layer)
-        resid_proj = ("wo.weight", "w_out.weight", "mlp.w_out")  # the last: an MoE block's experts
+        resid_proj = ("wo.weight", "w_out.weight", "experts.w_out")  # the last: an MoE block's experts
 
         def whole(name: str, p: torch.Tensor) -> torch.Tensor:
             leaf = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")

@@ -134,6 +134,17 @@ def expert_mlp(xs: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor,
     return mm(activate(h, g), w_out)
 
 
+class ExpertWeights(nn.Module):
+    """The routed experts' weights, (E, d, f) and (E, f, d): a module of their own, so that a
+    parallel layout can place them apart from the rest of the block (distlm/parallel/expert.py)."""
+
+    def __init__(self, n: int, d: int, f: int, gated: bool):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(n, d, f))
+        self.w_gate = nn.Parameter(torch.empty(n, d, f)) if gated else None
+        self.w_out = nn.Parameter(torch.empty(n, f, d))
+
+
 class MoE(nn.Module):
     """The MLP of an MoE block: (B, T, d) -> (B, T, d)."""
 
@@ -145,9 +156,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.route_scale = e.experts, e.top_k, e.route_scale
         self.aux_weight, self.act, self.kernel = e.aux_loss, cfg.mlp, e.kernel
         self.router = nn.Linear(d, e.experts, bias=False)
-        self.w_in = nn.Parameter(torch.empty(e.experts, d, f))
-        self.w_gate = nn.Parameter(torch.empty(e.experts, d, f)) if cfg.mlp == "swiglu" else None
-        self.w_out = nn.Parameter(torch.empty(e.experts, f, d))
+        self.experts = ExpertWeights(e.experts, d, f, gated=cfg.mlp == "swiglu")
         self.shared = shared
         self.drop = nn.Dropout(cfg.dropout)
         # Persistent: checkpointed with the weights, so a resumed run routes as it would have.
@@ -185,8 +194,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k
         kernel = resolve_kernel(self.kernel, x)
-        out = expert_mlp(x[token], flat[order], counts, self.w_in, self.w_gate, self.w_out, self.act, kernel,
-                         capacity=N)
+        w = self.experts
+        out = expert_mlp(x[token], flat[order], counts, w.w_in, w.w_gate, w.w_out, self.act, kernel, capacity=N)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         y = torch.zeros_like(x, dtype=out.dtype).index_add_(0, token, out).to(x.dtype)
         if self.shared is not None:
