@@ -275,6 +275,8 @@ class ParallelConfig:
     pp: int = doc(1, "pipeline-parallel degree")
     cp: int = doc(1, "context-parallel degree: every row split over this many ranks, for long sequences "
                      "(distlm/parallel/context.py)")
+    ep: int = doc(1, "expert-parallel degree: an MoE block's routed experts spread over this many ranks, which "
+                     "read different rows (distlm/parallel/expert.py)")
     reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
     mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only; see grad_reduce_dtype)")
     cpu_offload: bool = False

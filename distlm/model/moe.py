@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlm.config import ConfigError, ModelConfig
+from distlm.local_shard import local_shard
 
 KERNELS = ("grouped", "bmm", "loop")
 
@@ -135,14 +136,25 @@ def expert_mlp(xs: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor,
 
 
 class ExpertWeights(nn.Module):
-    """The routed experts' weights, (E, d, f) and (E, f, d): a module of their own, so that a
-    parallel layout can place them apart from the rest of the block (distlm/parallel/expert.py)."""
+    """The routed experts' weights, (E, d, f) and (E, f, d), and their MLP over copies sorted by
+    expert (``expert_mlp``): a module of its own, so that a parallel layout can place it apart
+    from the rest of the block, and an FSDP2 unit gathers it around this forward
+    (distlm/parallel/expert.py). Sharded by expert, it runs the experts this rank holds."""
 
     def __init__(self, n: int, d: int, f: int, gated: bool):
         super().__init__()
         self.w_in = nn.Parameter(torch.empty(n, d, f))
         self.w_gate = nn.Parameter(torch.empty(n, d, f)) if gated else None
         self.w_out = nn.Parameter(torch.empty(n, f, d))
+
+    def forward(self, xs: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, act: str, kernel: str,
+                capacity: int | None = None, prepare=None) -> torch.Tensor:
+        """``prepare``: applied to each local weight before use (expert parallelism's gradient
+        scaling and averaging, distlm/parallel/expert.py)."""
+        weights = [None if p is None else local_shard(p) for p in (self.w_in, self.w_gate, self.w_out)]
+        if prepare is not None:
+            weights = [None if w is None else prepare(w) for w in weights]
+        return expert_mlp(xs, expert_ids, counts, *weights, act, kernel, capacity)
 
 
 class MoE(nn.Module):
@@ -167,6 +179,8 @@ class MoE(nn.Module):
         self.meter = None
         # The auxiliary loss of the latest training forward (moe.aux_loss > 0), read by GPT.
         self.aux_loss = None
+        # Set by expert parallelism: it runs the experts of copies spread over ranks.
+        self.dispatch = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top-k expert ids (N, k), their gate weights (N, k) fp32, all scores (N, E) fp32)."""
@@ -194,8 +208,10 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k
         kernel = resolve_kernel(self.kernel, x)
-        w = self.experts
-        out = expert_mlp(x[token], flat[order], counts, w.w_in, w.w_gate, w.w_out, self.act, kernel, capacity=N)
+        if self.dispatch is not None:  # the experts spread over ranks (distlm/parallel/expert.py)
+            out = self.dispatch(x[token], counts, self.experts, self.act, kernel)
+        else:
+            out = self.experts(x[token], flat[order], counts, self.act, kernel, capacity=N)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         y = torch.zeros_like(x, dtype=out.dtype).index_add_(0, token, out).to(x.dtype)
         if self.shared is not None:
