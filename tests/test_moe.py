@@ -336,3 +336,32 @@ def test_kernel_benchmark_runs_on_the_cpu(tmp_path, capsys):
     rows = json.loads((tmp_path / "k.json").read_text())["rows"]
     assert {(r["load"], r["kernel"]) for r in rows} == {(load, k) for load in ("even", "skewed") for k in KERNELS}
     assert all(r["ms"] > 0 for r in rows)
+
+
+# ---- the planner ----------------------------------------------------------------------------
+def test_planner_counts_the_experts_memory_and_their_all_to_all(tmp_path):
+    from test_planner import SMALL, measured_peak_bytes
+    from distlm.planner import Candidate, estimate, layouts
+    cfg = load_config(None, SMALL + ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.shared=1",
+                                     "model.moe.d_ff=64", "model.moe.kernel=grouped"])
+    m = cfg.model
+    # Memory: within 25% of what one process's step holds at its peak, measured.
+    measured = measured_peak_bytes(cfg, 8, "none", tmp_path)
+    one = estimate(m, Candidate(1, 1, 1, 1), 8, 8, 80, compute_bytes=4)
+    assert 0.75 <= one.total_gb * 2**30 / measured <= 1.25, (one.total_gb * 2**30, measured)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(m).parameters())
+    assert one.params_gb * 2**30 == pytest.approx(4 * n, rel=0.01)
+    # Expert parallelism: the routed experts' state divided by ep, the rest replicated (DDP) or
+    # sharded with the data shards (FSDP2); the tokens' all-to-all: 4 per MoE block (dispatch
+    # and combine, forward and backward), top_k copies of each token, (ep-1)/ep of them sent.
+    ep = estimate(m, Candidate(1, 1, 1, 1, ep=4), 32, 8, 80, compute_bytes=4)
+    experts = m.n_layer * 8 * 2 * m.d_model * 64
+    assert (one.params_gb - ep.params_gb) * 2**30 == pytest.approx(4 * experts * 3 / 4, rel=1e-6)
+    copies = 8 * m.block_size * 2
+    assert ep.sent_gb["ep"] * 1e9 == pytest.approx(4 * m.n_layer * (3 / 4) * copies * m.d_model * 4)
+    fsdp = estimate(m, Candidate(1, 2, 1, 1, ep=2), 32, 8, 80, compute_bytes=4)
+    assert fsdp.params_gb * 2**30 == pytest.approx(4 * (n - experts) / 4 + 4 * experts / 4, rel=0.01)
+    names = {lay.name for lay in layouts(4, m)}
+    assert {"ddp4", "fsdp4", "ep4", "ddp2xep2", "fsdp2xep2", "ep4+ac"} <= names
+    assert not any("tp" in name or "pp" in name for name in names)  # refused for an MoE model
