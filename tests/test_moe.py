@@ -116,8 +116,8 @@ def test_grouped_matmul_on_the_gpu_against_the_loop():
         grouped = expert_mlp(xs, ids, counts, *ws, "swiglu", "grouped").float()
         padded = expert_mlp(xs, ids, counts, *ws, "swiglu", "bmm").float()
     loop = expert_mlp(xs, ids, counts, *ws, "swiglu", "loop")
-    torch.testing.assert_close(grouped, loop, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(padded, loop, rtol=3e-2, atol=3e-2)
+    for got in (grouped, padded):  # bf16 against fp32: the relative error of bf16's rounding
+        assert ((got - loop).norm() / loop.norm()).item() < 1e-2
     # A whole MoE model, compiled in one graph around the grouped matmul, under bf16 autocast.
     cfg = model_cfg("model.moe.kernel=grouped", "model.d_model=128")
     torch.manual_seed(0)
