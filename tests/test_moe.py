@@ -365,3 +365,17 @@ def test_planner_counts_the_experts_memory_and_their_all_to_all(tmp_path):
     names = {lay.name for lay in layouts(4, m)}
     assert {"ddp4", "fsdp4", "ep4", "ddp2xep2", "fsdp2xep2", "ep4+ac"} <= names
     assert not any("tp" in name or "pp" in name for name in names)  # refused for an MoE model
+
+
+@pytest.mark.parametrize("kernel", ["loop", "bmm"])
+def test_bf16_autocast_tracks_fp32(kernel):
+    cfg = model_cfg(f"model.moe.kernel={kernel}", "model.moe.shared=1")
+    torch.manual_seed(0)
+    m = GPT(cfg)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    fp32 = m(x, targets=y)
+    with torch.autocast("cpu", torch.bfloat16):
+        bf16 = m(x, targets=y)
+    assert abs(bf16.item() - fp32.item()) < 2e-2 * fp32.item()
+    bf16.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
