@@ -47,6 +47,32 @@ def auto(*options, help=""):
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """``model.moe``: a mixture of experts in place of the MLP of some blocks (distlm/model/moe.py).
+    Off while ``experts`` is 0."""
+    experts: int = doc(0, "routed experts per MoE block; 0 = a dense model")
+    top_k: int = doc(2, "experts each token is routed to (token choice, dropless)")
+    d_ff: int = doc(0, "each expert's hidden width; below model.d_ff for fine-grained experts; 0 = model.d_ff")
+    shared: int = doc(0, "shared experts every token also passes through, each of width moe.d_ff")
+    every: int = doc(1, "an MoE block every this many blocks, from moe.first_dense on; the others dense")
+    first_dense: int = doc(0, "the first this many blocks keep a dense MLP")
+    bias_rate: float = doc(1e-3, "balancing without an auxiliary loss: after each step every expert's routing "
+                                 "bias moves by this much toward an even load (up if under-loaded, down if "
+                                 "over); 0 = off")
+    aux_loss: float = doc(0.0, "weight of the auxiliary load-balancing loss (experts x sum of load fraction x "
+                               "mean score) added to the training loss; 0 = off")
+    route_scale: float = doc(1.0, "the top-k gate weights (normalised to sum to 1) are multiplied by this")
+    kernel: str = choice("auto", "auto", "grouped", "bmm", "loop",
+                         help="the experts' matmuls: grouped = torch._grouped_mm over the tokens sorted by "
+                              "expert; bmm = every expert padded to the whole batch; loop = one matmul per "
+                              "expert; auto = grouped on CUDA, loop elsewhere")
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     n_layer: int = doc(2, "transformer blocks")
     n_head: int = doc(4, "attention heads")
@@ -80,6 +106,8 @@ class ModelConfig:
                             help="doc = causal attention that stops at end-of-text tokens (model.eot_id)")
     attn_window: int = doc(0, "sliding window: a token sees at most this many positions, itself included; 0 = all")
     eot_id: Optional[int] = doc(None, "end-of-text token for attn_mask=doc; null = the tokenizer's")
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"help": "mixture of experts: the model.moe.* "
+                                                                        "fields below"})
 
     @property
     def head_dim(self) -> int:
@@ -212,6 +240,8 @@ class ParallelConfig:
     pp: int = doc(1, "pipeline-parallel degree")
     cp: int = doc(1, "context-parallel degree: every row split over this many ranks, for long sequences "
                      "(distlm/parallel/context.py)")
+    ep: int = doc(1, "expert-parallel degree: an MoE block's routed experts spread over this many ranks, which "
+                     "read different rows (distlm/parallel/expert.py)")
     reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
     mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only; see grad_reduce_dtype)")
     cpu_offload: bool = False
@@ -380,10 +410,29 @@ class _Values:
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}'{_suggest(section, SECTIONS)}")
         fields = _field_types(SECTIONS[section])
+        head, _, rest = key.partition(".")
+        if head in fields and dataclasses.is_dataclass(fields[head][0]):
+            self._set_nested(section, head, fields[head][0], rest, value)
+            return
         if key not in fields:
             raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
         typ, f = fields[key]
         self.values[section][key] = _coerce(f"{section}.{key}", value, typ, f)
+
+    def _set_nested(self, section: str, name: str, cls: type, key: str, value: Any) -> None:
+        """A field of a nested section (model.moe.experts), or the whole nested mapping."""
+        where = f"{section}.{name}"
+        if not key:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where} must be a mapping of its fields, got {str(value)[:80]!r}")
+            for k, v in value.items():
+                self._set_nested(section, name, cls, str(k), v)
+            return
+        fields = _field_types(cls)
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{where}.{key}'{_suggest(key, fields)}")
+        typ, f = fields[key]
+        self.values[section][name][key] = _coerce(f"{where}.{key}", value, typ, f)
 
     def merge(self, data: dict, origin: str) -> None:
         for section, values in data.items():
@@ -398,7 +447,15 @@ class _Values:
                 self.set(section, key, value)
 
     def build(self) -> Config:
-        return Config(**{section: SECTIONS[section](**v) for section, v in self.values.items()})
+        return Config(**{section: SECTIONS[section](**_nested(SECTIONS[section], v))
+                         for section, v in self.values.items()})
+
+
+def _nested(cls: type, values: dict) -> dict:
+    """A section's values with each nested section's mapping built into its dataclass."""
+    types_ = _field_types(cls)
+    return {k: (types_[k][0](**v) if dataclasses.is_dataclass(types_[k][0]) and isinstance(v, dict) else v)
+            for k, v in values.items()}
 
 
 def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
@@ -497,6 +554,40 @@ def validate_settings(cfg: Config) -> None:
     _validate_seq_warmup(cfg)
     _validate_task(cfg)
     _validate_fp8(cfg)
+    _validate_moe(cfg)
+
+
+def _validate_moe(cfg: Config) -> None:
+    m, e = cfg.model, cfg.model.moe
+    for key, v, lo in (("experts", e.experts, 0), ("top_k", e.top_k, 1), ("d_ff", e.d_ff, 0), ("shared", e.shared, 0),
+                       ("every", e.every, 1), ("first_dense", e.first_dense, 0), ("bias_rate", e.bias_rate, 0),
+                       ("aux_loss", e.aux_loss, 0), ("route_scale", e.route_scale, 0)):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"model.moe.{key} must be a finite number, got {v}")
+        if v < lo or (key == "route_scale" and v == 0):
+            raise ConfigError(f"model.moe.{key} must be {'>' if key == 'route_scale' else '>='} {lo}, got {v}")
+    if e.experts > 1 << 16 or e.d_ff > 1 << 18 or e.shared > 1 << 10:
+        raise ConfigError(f"model.moe: experts={e.experts}, d_ff={e.d_ff}, shared={e.shared} is above what distlm "
+                          f"accepts (65,536 experts, width 262,144, 1,024 shared)")
+    if not e.enabled:
+        return
+    if e.top_k > e.experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} is above model.moe.experts={e.experts}")
+    if e.first_dense >= m.n_layer:
+        raise ConfigError(f"model.moe.first_dense={e.first_dense} leaves no MoE block in model.n_layer={m.n_layer}")
+    p = cfg.parallel
+    # The experts are whole on every rank and tokens never leave it: data parallelism
+    # (DDP, FSDP2) only. Tensor and pipeline parallelism would need the experts' own plans.
+    for key, degree in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
+        if degree > 1:
+            raise ConfigError(f"model.moe.experts={e.experts} does not support parallel.{key}={degree}: an MoE "
+                              f"model runs under data parallelism (parallel.dp_replicate, parallel.dp_shard)")
+    if p.engine != "torch":
+        raise ConfigError(f"model.moe.experts={e.experts} needs parallel.engine=torch: the routing biases are "
+                          f"updated from the load summed over the ranks through torch.distributed")
+    if cfg.train.fp8 != "off":
+        raise ConfigError(f"model.moe.experts={e.experts} does not support train.fp8={cfg.train.fp8}: the float8 "
+                          f"layers replace nn.Linear, and the experts are 3-D parameters")
 
 
 def _at_least(lo):
@@ -553,6 +644,8 @@ def _validate_numbers(cfg: Config) -> None:
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
+            if dataclasses.is_dataclass(v):
+                continue  # a nested section checks its own numbers (_validate_moe)
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{section}.{f.name} must be a finite number, got {v}")
             if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:

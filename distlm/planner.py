@@ -215,11 +215,12 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
         if not value > 0:
             raise ValueError(f"{name}={value} must be positive")
     T, d, V = m.block_size, m.d_model, m.padded_vocab_size
-    dp = lay.dp_replicate * lay.dp_shard
+    dp = lay.dp_size
     # cp: each GPU holds T / cp tokens of every row, and FSDP2 shards the parameters over the
-    # data shards and the cp ranks together (distlm/layout/context.py)
+    # data shards and the cp ranks together (distlm/layout/context.py); ep's ranks are data
+    # shards too under FSDP2 (distlm/layout/expert.py)
     cp = lay.cp
-    t, shard = lay.tp, lay.dp_shard * cp
+    t, shard = lay.tp, lay.shard_degree
     Tl = T / cp
     local_batch = global_batch // dp
     n_mb = max(1, local_batch // micro_batch)
@@ -233,18 +234,25 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     tables = m.value_embeds * m.padded_vocab_size * d
     ends = emb + head + extra + tables if lay.pp == 1 else max(emb + extra, head or emb)
     n_local = (L * bs + ends) / t + L * br
-    p_bytes = 4 * n_local / shard
+    moe = _moe_terms(m, lay)
+    # A mixture of experts: its blocks' MLPs are the router, the shared and the routed experts;
+    # the routed ones spread over ep and then FSDP2's dp_shard (n_experts: this GPU's), the rest
+    # sharded like any weight.
+    n_local += moe["other"] - moe["dense_mlps"]
+    n_experts = moe["experts"] / (lay.ep * lay.dp_shard)
+    p_bytes = 4 * (n_local / shard + n_experts)
     # The optimizer's state as it declares it per parameter: the blocks' matrices (all split by
     # TP) may be kept otherwise than the rest (Muon: one momentum against AdamW's two moments).
     spec = optimizer or REGISTRY["adamw"]
-    n_matrix = L * block_matrix_params(m) / t
-    by_kind = {MATRIX: n_matrix / shard, OTHER: (n_local - n_matrix) / shard}
+    n_matrix = L * block_matrix_params(m) / t + moe["other"] - moe["dense_mlps"]
+    by_kind = {MATRIX: n_matrix / shard + n_experts, OTHER: (n_local - n_matrix) / shard}
     optim_gb = sum(spec.state_bytes(kind) * n for kind, n in by_kind.items()) / GIB
     step_temporaries_gb = sum(4 * spec.step_temporaries.get(kind, 0.0) * n for kind, n in by_kind.items()) / GIB
     params_gb, grads_gb = p_bytes / GIB, p_bytes / GIB
     buffers_gb = (2 * compute_bytes * (bs / t + br) / GIB) if shard > 1 else 0.0
     # activations of one microbatch on this stage, times those in flight
     fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
+    cd_el += moe["saved_per_token"]  # averaged over the blocks
     per_layer = b * Tl * (4 * fp32_el + compute_bytes * cd_el)
     # context parallelism: the gathered K and V of the whole row (this rank's heads), kept for backward
     kv_row = 2 * b * T * d / t * compute_bytes if cp > 1 else 0.0
@@ -276,11 +284,20 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     # communication per GPU per step (bytes sent) on each axis's collectives, ring algorithms:
     # 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter
     sent = {}
-    if lay.dp_replicate > 1:  # under HSDP only the 1/dp_shard of the gradients each GPU owns
-        sent["dp_replicate"] = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * 4 * n_local / shard
+    r = lay.replicate_degree  # under DDP with ep, dp_replicate x ep: the weights outside the routed experts
+    if r > 1:  # under HSDP only the 1/dp_shard of the gradients each GPU owns
+        # (the routed experts: all-reduced over dp_replicate alone)
+        sent["dp_replicate"] = 2 * (r - 1) / r * 4 * n_local / shard \
+            + 2 * (lay.dp_replicate - 1) / lay.dp_replicate * 4 * n_experts
+    if lay.ep > 1:
+        # Every MoE block: each token's top_k copies out and back (dispatch, combine), forward and
+        # backward, (ep-1)/ep of them to other ranks.
+        sent["ep"] = 4 * moe["layers"] * n_mb * (lay.ep - 1) / lay.ep * b * Tl * m.moe.top_k * d * compute_bytes
     if shard > 1:
         gathers = 2 * n_mb if lay.pp == 1 else 2  # kept unsharded across a step's microbatches under PP
-        sent["dp_shard"] = (shard - 1) / shard * n_local * (compute_bytes * gathers + 4)
+        # the routed experts gathered over dp_shard alone
+        sent["dp_shard"] = ((shard - 1) / shard * n_local + (lay.dp_shard - 1) / lay.dp_shard * moe["experts"] / lay.ep) \
+            * (compute_bytes * gathers + 4)
     if t > 1:  # 2 collectives forward + 2 backward per block, on the residual stream
         sent["tp"] = 4 * L * n_mb * 2 * (t - 1) / t * b * Tl * d * compute_bytes
     if lay.pp > 1:
@@ -299,14 +316,15 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     # time: a pipeline stage's work per step is its compute plus what TP puts on its critical
     # path; the bubble stretches all of it. Then the optimizer, and DP/PP traffic partly
     # hidden behind the backward pass.
-    n_total = m.n_layer * (bs + br) + emb + head
+    n_total = m.n_layer * (bs + br) + emb + head + moe["other"] - moe["dense_mlps"] + moe["active_experts"]
     flops = (6 * n_total + 12 * m.n_layer * d * T) * global_batch * T
     compute_s = flops / lay.size / (peak_tflops * 1e12 * mfu) + L * n_mb * BLOCK_CALL_S
     if lay.ac == "full":
         compute_s *= 4 / 3  # the forward again
     compute_s /= TP_SPLIT_EFFICIENCY ** math.log2(t)
-    # TP's collectives and cp's K/V gathers sit between the matmuls that need them: not hidden
-    critical = ("tp", "cp")
+    # TP's collectives, cp's K/V gathers and ep's all-to-alls sit between the matmuls that need
+    # them: not hidden
+    critical = ("tp", "cp", "ep")
     device_s = compute_s + sum(link_s.get(a, 0.0) for a in critical)
     host_s = 0.0
     if t > 1:
@@ -324,13 +342,34 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
                    sent_gb={a: v / GB for a, v in sent.items()},
                    nodes=max(1, math.ceil(lay.size / gpn)),
                    time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
-                            "cp_comm": link_s.get("cp", 0.0) * 1e3,
+                            "cp_comm": link_s.get("cp", 0.0) * 1e3, "ep_comm": link_s.get("ep", 0.0) * 1e3,
                             "tp_host": tp_host_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
                             "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
                             "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch,
                    optimizer=spec.name, step_temporaries_gb=step_temporaries_gb)
     est._tokens = global_batch * T
     return est
+
+
+def _moe_terms(m: ModelConfig, lay: Layout) -> dict:
+    """A mixture of experts' parameters and saved activations, per whole model (0 when dense):
+    ``dense_mlps`` the MLP weights block_params counts in its MoE blocks, ``other`` what they
+    hold instead besides the routed experts (router, shared experts), ``experts`` the routed
+    experts, ``active_experts`` those a token runs (top_k per block), ``saved_per_token`` the
+    compute-dtype elements per token and block the MoE MLP keeps beyond a dense one's (the
+    routed copies in and out, the experts' hidden activations), averaged over the blocks."""
+    from distlm.model.moe import expert_width, moe_layers
+    n = len(moe_layers(m)) if m.moe.enabled else 0
+    zero = dict(layers=0, dense_mlps=0, other=0, experts=0, active_experts=0, saved_per_token=0.0)
+    if not n:
+        return zero
+    d, f, e = m.d_model, expert_width(m), m.moe
+    gated = 3 if m.mlp == "swiglu" else 2
+    hidden = 4 if m.mlp == "swiglu" else 2  # saved per hidden unit, as block_saved_elements counts
+    saved = e.top_k * (2 * d + hidden * f) + e.shared * hidden * f - hidden * m.d_ff
+    return dict(layers=n, dense_mlps=n * gated * d * m.d_ff, other=n * (e.experts * d + e.shared * gated * d * f),
+                experts=n * e.experts * gated * d * f, active_experts=n * e.top_k * gated * d * f,
+                saved_per_token=saved * n / m.n_layer)
 
 
 def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Candidate]:
@@ -341,6 +380,15 @@ def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> l
     part of the FSDP2 degree (cp x dp_shard, no pipeline) where the row splits into 2 x cp
     chunks (x tp under sequence parallelism)."""
     out = []
+    if m.moe.enabled:
+        # Data parallelism, with or without expert parallelism (TP, PP and cp refuse an MoE model):
+        # DDP or FSDP2 over the ranks that the ep degree leaves.
+        for ep in (k for k in range(1, gpus + 1) if gpus % k == 0 and m.moe.experts % k == 0):
+            dp = gpus // ep
+            for shard in {1, dp}:
+                for ac in ("none", "full"):
+                    out.append(Candidate(dp // shard, shard, 1, 1, ep=ep, ac=ac))
+        return out
     for tp in range(1, gpus + 1):
         if gpus % tp or m.n_head % tp or m.d_ff % tp:
             continue
@@ -414,7 +462,7 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
         raise ValueError(f"gpus_per_node={gpus_per_node} must divide gpus={gpus} (whole nodes)")
     ests = []
     for lay in layouts(gpus, m, gpus_per_node):
-        dp = lay.dp_replicate * lay.dp_shard
+        dp = lay.dp_size
         if global_batch % dp:
             continue
         model, micro = resolve(lay) if resolve is not None else (m, micro_batch)
@@ -427,7 +475,7 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
 COLLECTIVES = {"dp_replicate": "gradient all-reduce (dp_replicate)",
                "dp_shard": "FSDP all-gather + reduce-scatter (dp_shard)",
                "tp": "TP all-gather + reduce-scatter (tp)", "pp": "pipeline send/recv (pp)",
-               "cp": "K/V all-gather + reduce-scatter (cp)"}
+               "cp": "K/V all-gather + reduce-scatter (cp)", "ep": "token all-to-all (ep)"}
 
 
 def network_lines(e: Estimate) -> list[str]:

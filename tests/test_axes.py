@@ -14,6 +14,7 @@ from distlm.parallel.plan import Batch
 PARTIAL_SHARDS = "under FSDP2 or tensor parallelism each rank holds shards of the weights, not the whole model"
 PARTIAL_STAGES = "under pipeline parallelism each rank holds a stage, not the whole model"
 PARTIAL_CONTEXT = "under context parallelism each rank holds FSDP2 shards of the weights, not the whole model"
+PARTIAL_EXPERTS = "under expert parallelism each rank holds some of the experts, not the whole model"
 
 
 # ---- the named questions -----------------------------------------------------------------
@@ -29,6 +30,9 @@ PARTIAL_CONTEXT = "under context parallelism each rank holds FSDP2 shards of the
     # the cp ranks read the same rows (dp 1) and shard the parameters (FSDP2 over them)
     (Layout(cp=2), "cp2", 1, False, True, True, True, False, PARTIAL_CONTEXT),
     (Layout(dp_shard=2, tp=2, cp=2), "fsdp2xtp2xcp2", 2, False, True, True, False, True, PARTIAL_SHARDS),
+    # the ep ranks read different rows and run whole blocks, each with some of the experts
+    (Layout(ep=2), "ep2", 2, False, False, False, True, False, PARTIAL_EXPERTS),
+    (Layout(dp_shard=2, ep=2), "fsdp2xep2", 4, False, True, True, True, False, PARTIAL_SHARDS),
 ])
 def test_each_layout_answers_by_name(lay, name, dp, unsplit, forward, shards, own_loss, logits, partial):
     assert lay.name == name and lay.dp_size == dp
@@ -41,9 +45,12 @@ def test_each_layout_answers_by_name(lay, name, dp, unsplit, forward, shards, ow
 def test_the_meshes_each_role_uses():
     lay = Layout(dp_replicate=2, dp_shard=2, tp=2, pp=2)
     # the roles name their mesh dimensions whatever the degrees: cp's (size 1 here) among them
-    assert lay.data_axes == ("dp_replicate", "dp_shard") and lay.loss_axes == ("dp_replicate", "dp_shard", "cp")
-    assert (lay.replicate_axes, lay.shard_axes) == (("dp_replicate",), ("dp_shard", "cp"))
-    assert lay.gradient_axes == ("dp_replicate", "dp_shard", "cp") and lay.size == 16
+    assert lay.data_axes == ("dp_replicate", "dp_shard", "ep")
+    assert lay.loss_axes == ("dp_replicate", "dp_shard", "ep", "cp")
+    # ep's role follows the data shards: with FSDP2 it is sharded over with them, with DDP replicated
+    assert (lay.replicate_axes, lay.shard_axes) == (("dp_replicate",), ("dp_shard", "ep", "cp"))
+    assert Layout(dp_replicate=2, ep=2).replicate_axes == ("dp_replicate", "ep")
+    assert lay.gradient_axes == ("dp_replicate", "dp_shard", "ep", "cp") and lay.size == 16
     assert lay.loss_size == lay.dp_size == 4 and lay.shard_degree == 2
     assert lay.overrides() == "parallel.dp_replicate=2 parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"
 
@@ -78,7 +85,7 @@ def test_parallel_dims_is_the_layout_with_a_place_in_it():
     dims = ParallelDims(2, 1, 1, 1, world_size=2, rank=1)
     assert isinstance(dims, Layout) and dims.degrees() == Layout(dp_replicate=2).degrees()
     assert dims.splits_nothing and not dims.is_main and dims.dp_rank == 0  # no mesh: one data rank
-    with pytest.raises(Exception, match=r"dp_replicate=1 x dp_shard=1 x tp=1 x pp=1 x cp=1 = 1, but the world size is 2; "
+    with pytest.raises(Exception, match=r"dp_replicate=1 x dp_shard=1 x tp=1 x pp=1 x cp=1 x ep=1 = 1, but the world size is 2; "
                                         r"add parallel.dp_replicate=2 \(DDP\)"):
         ParallelDims(world_size=2)
 
@@ -90,9 +97,9 @@ def test_an_axis_joins_by_registration():
     lay = Layout(dp_shard=2, cp=2, tp=2)
     assert lay.name == "fsdp2xtp2xcp2" and lay.size == 8
     assert lay.splits_sequence and not lay.splits_nothing
-    assert lay.data_axes == ("dp_replicate", "dp_shard") and lay.dp_size == 2   # cp ranks read the same rows
-    assert lay.loss_axes == ("dp_replicate", "dp_shard", "cp") and lay.loss_size == 4
-    assert lay.shard_axes == ("dp_shard", "cp") and lay.shard_degree == 4
+    assert lay.data_axes == ("dp_replicate", "dp_shard", "ep") and lay.dp_size == 2   # cp ranks read the same rows
+    assert lay.loss_axes == ("dp_replicate", "dp_shard", "ep", "cp") and lay.loss_size == 4
+    assert lay.shard_axes == ("dp_shard", "ep", "cp") and lay.shard_degree == 4
     assert lay.sequence_divisor(cfg) == 2 * 2 * 2  # 2 cp chunks per rank, then TP's sequence parallelism
     assert Layout(cp=2).shards_parameters and not Layout(cp=2).holds_whole_model
 

@@ -37,6 +37,11 @@ def test_page_names_every_verb_flag_field_and_preset():
                     assert f"`{flag}" in page.split(f"### `distlm {name}`", 1)[1].split("\n### ", 1)[0], (name, flag)
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
+            nested = getattr(cls(), f.name)
+            if dataclasses.is_dataclass(nested):  # a nested section (model.moe): a row per field
+                for g in dataclasses.fields(nested):
+                    assert f"| `{section}.{f.name}.{g.name}` |" in page, f"{section}.{f.name}.{g.name}"
+                continue
             assert f"| `{section}.{f.name}` |" in page, f"{section}.{f.name}"
     for preset in list_presets():
         assert f"| `{preset}` |" in page, preset

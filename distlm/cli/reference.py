@@ -105,6 +105,11 @@ def config_section(section: str, cls: type) -> list[str]:
         out += [" ".join(doc.split()), ""]
     out += ["| field | type | default | what it sets |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):  # a nested section: a row per field of its own
+            sub = typing.get_type_hints(hints[f.name])
+            out += [f"| `{section}.{f.name}.{g.name}` | {_type_name(g, sub[g.name])} | {_field_default(g)} | "
+                    f"{_cell(g.metadata.get('help', ''))} |" for g in dataclasses.fields(hints[f.name])]
+            continue
         out.append(f"| `{section}.{f.name}` | {_type_name(f, hints[f.name])} | {_field_default(f)} | "
                    f"{_cell(f.metadata.get('help', ''))} |")
     return out + [""]

@@ -8,7 +8,10 @@ per-head q/k norms carry a learned gain that distlm's QK-norm lacks: it is writt
 which is exact. Any other combination raises ExportError rather than producing a model whose
 logits differ from the checkpoint's, and so do the modern-block options no class can express
 (``inexpressible``). ``model.zero_init_proj`` is only an initialisation and exports like any
-other model. The folder is built without importing ``transformers`` (config.json is written
+other model. A mixture of experts (``model.moe``) becomes ``Glm4MoeForCausalLM``: the one class
+with both the Llama attention and DeepSeek-V3's routing (sigmoid scores, a per-expert bias for
+the choice only, normalised top-k weights, shared experts, the first blocks dense), so the
+routing biases the run balanced with are exported as they are. The folder is built without importing ``transformers`` (config.json is written
 by hand), so a training box can export without it.
 
 The tensor-name table (``weight_pairs``) is shared with the import side
@@ -26,6 +29,7 @@ import torch
 
 from distlm.config import ConfigError, ModelConfig
 from distlm.io import atomic_write_dir
+from distlm.model.moe import expert_width, is_moe_layer, moe_layers
 
 EOT = "<|endoftext|>"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,7 +55,7 @@ _INEXPRESSIBLE = (
     ("attn_mask", "causal", "attention stops at end-of-text tokens"),
     ("attn_window", 0, "sliding-window attention"),
 )
-_EXPORT_CLASSES = "GPT-2, Llama, Qwen3, Arcee or Apertus"
+_EXPORT_CLASSES = "GPT-2, Llama, Qwen3, Arcee, Apertus or Glm4Moe"
 
 
 def inexpressible(cfg: ModelConfig, allow: tuple[str, ...] = ()) -> list[str]:
@@ -84,13 +88,36 @@ ROPE_ARCHS = {
                               ("attention_layernorm", "feedforward_layernorm"), False),
 }
 _BY_TYPE = {a.model_type: a for a in ROPE_ARCHS.values()}
-CLASS_NAMES = {"gpt2": "GPT2LMHeadModel", **{t: a.cls for t, a in _BY_TYPE.items()}}
+CLASS_NAMES = {"gpt2": "GPT2LMHeadModel", **{t: a.cls for t, a in _BY_TYPE.items()},
+               "glm4_moe": "Glm4MoeForCausalLM"}
+MOE_ARCH = RopeArch("glm4_moe", "Glm4MoeForCausalLM", "silu", True, True,
+                    ("input_layernorm", "post_attention_layernorm"), False)
+
+
+def _moe_architecture(cfg: ModelConfig) -> str:
+    """Glm4Moe, or ExportError naming what it cannot express."""
+    e = cfg.moe
+    wrong = [f"model.{k}={getattr(cfg, k)}" for k, ok in (("position", cfg.position == "rope"),
+                                                            ("norm", cfg.norm == "rmsnorm"),
+                                                            ("mlp", cfg.mlp == "swiglu"), ("bias", not cfg.bias))
+             if not ok]
+    if e.every != 1:
+        wrong.append(f"model.moe.every={e.every}")
+    if e.experts < 2:
+        wrong.append(f"model.moe.experts={e.experts}")
+    if wrong:
+        raise ExportError(f"{', '.join(wrong)}: a mixture of experts exports as Glm4MoeForCausalLM, which needs "
+                          f"position=rope, norm=rmsnorm, mlp=swiglu, bias=false, moe.every=1 (dense blocks only "
+                          f"first, moe.first_dense) and at least 2 experts")
+    return MOE_ARCH.model_type
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The HF model_type the model exports as ('gpt2', 'llama', 'qwen3', 'arcee', 'apertus');
     ExportError naming the fields that rule out every class."""
     options = inexpressible(cfg, allow=("qk_norm",))
+    if cfg.moe.enabled and not options:
+        return _moe_architecture(cfg)
     if options:
         raise ExportError(f"{', '.join(options)}: no Hugging Face class distlm exports to ({_EXPORT_CLASSES}) "
                           f"has {'this option' if len(options) == 1 else 'these options'}; the exported model "
@@ -142,7 +169,7 @@ def weight_pairs(arch: str, cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]
             add(h + "mlp.c_proj", [b + "mlp.w_out"], conv=True)
         add("transformer.ln_f", ["norm"])
     else:
-        ra = _BY_TYPE[arch]
+        ra = MOE_ARCH if arch == MOE_ARCH.model_type else _BY_TYPE[arch]
         mlp = (("gate_proj", "w_gate"),) if ra.gated else ()
         add("model.embed_tokens", ["tok_emb"], vocab=True, bias=False)
         for i in range(cfg.n_layer):
@@ -151,6 +178,14 @@ def weight_pairs(arch: str, cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]
             for hf, ours in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
                 add(h + "self_attn." + hf, [b + "attn." + ours], bias=cfg.bias)
             add(h + ra.norms[1], [b + "mlp_norm"], bias=False)
+            if is_moe_layer(cfg, i):
+                # The routed experts' 3-D weights are moe_tensors'; the router and the shared
+                # experts (one MLP of their summed width) are plain matrices.
+                add(h + "mlp.gate", [b + "mlp.router"], bias=False)
+                if cfg.moe.shared:
+                    for hf, ours in mlp + (("up_proj", "w_in"), ("down_proj", "w_out")):
+                        add(h + "mlp.shared_experts." + hf, [b + "mlp.shared." + ours], bias=False)
+                continue
             for hf, ours in mlp + (("up_proj", "w_in"), ("down_proj", "w_out")):
                 add(h + "mlp." + hf, [b + "mlp." + ours], bias=cfg.bias)
         add("model.norm", ["norm"], bias=False)
@@ -171,6 +206,8 @@ def hf_config(arch: str, cfg: ModelConfig, eos_id: int, dtype: str = "fp32") -> 
                 "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "summary_first_dropout": 0.0, "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
+    if arch == MOE_ARCH.model_type:
+        return _moe_config(cfg, common)
     ra = _BY_TYPE[arch]
     # rope_theta at the top level is what 4.x reads; 5.x moved it into rope_parameters (which must
     # be written: Apertus' default is llama3 scaling). pad_token_id too: Apertus' default is 3.
@@ -190,10 +227,49 @@ def hf_config(arch: str, cfg: ModelConfig, eos_id: int, dtype: str = "fp32") -> 
     return conf
 
 
+def _moe_config(cfg: ModelConfig, common: dict) -> dict:
+    e = cfg.moe
+    # Glm4Moe rotates half of each head by default (partial_rotary_factor 0.5): written as 1.
+    # Its shared MLP is n_shared_experts x moe_intermediate_size wide; its group-limited
+    # routing is off with one group. No multi-token-prediction layers.
+    return {"architectures": [MOE_ARCH.cls], "model_type": MOE_ARCH.model_type, "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.d_ff, "moe_intermediate_size": expert_width(cfg),
+            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.block_size,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+            "attention_bias": False, "attention_dropout": 0.0, "use_qk_norm": cfg.qk_norm,
+            "n_routed_experts": e.experts, "num_experts_per_tok": e.top_k, "n_shared_experts": e.shared,
+            "routed_scaling_factor": e.route_scale, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+            "first_k_dense_replace": e.first_dense, "num_nextn_predict_layers": 0, "pad_token_id": None, **common}
+
+
+def moe_tensors(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The routed experts in Glm4Moe's layout: gate_up_proj (E, 2f, d), gate first, and down_proj
+    (E, d, f), nn.Linear's (out, in) per expert, the transposes of distlm's x @ w[e]; the routing
+    biases as e_score_correction_bias."""
+    out = {}
+    for i in moe_layers(cfg):
+        h, b = f"model.layers.{i}.mlp.", f"blocks.{i}.mlp."
+        w_gate, w_in, w_out = (sd[b + n].float().cpu().transpose(1, 2) for n in ("experts.w_gate", "experts.w_in", "experts.w_out"))
+        out[h + "experts.gate_up_proj"] = torch.cat((w_gate, w_in), 1)
+        out[h + "experts.down_proj"] = w_out
+        out[h + "gate.e_score_correction_bias"] = sd[b + "expert_bias"].float().cpu()
+        if not cfg.moe.shared:  # Glm4Moe always has a shared MLP: at width 0 it adds nothing
+            d = cfg.d_model
+            out.update({h + "shared_experts.gate_proj.weight": torch.zeros(0, d),
+                        h + "shared_experts.up_proj.weight": torch.zeros(0, d),
+                        h + "shared_experts.down_proj.weight": torch.zeros(d, 0)})
+    return out
+
+
 def fixed_tensors(arch: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors with no distlm counterpart, at the value that makes them a no-op: the gains
-    of Qwen3's and Apertus' per-head q/k norms (distlm's QK-norm has none, i.e. ones)."""
-    if arch == "gpt2" or not _BY_TYPE[arch].qk_norm:
+    of Qwen3's, Apertus' and Glm4Moe's per-head q/k norms (distlm's QK-norm has none, i.e. ones)."""
+    if arch == MOE_ARCH.model_type:
+        if not cfg.qk_norm:
+            return {}
+    elif arch == "gpt2" or not _BY_TYPE[arch].qk_norm:
         return {}
     return {f"model.layers.{i}.self_attn.{n}.weight": torch.ones(cfg.head_dim)
             for i in range(cfg.n_layer) for n in ("q_norm", "k_norm")}
@@ -223,6 +299,10 @@ def hf_state_dict(model, arch: str, dtype: str = "fp32") -> dict[str, torch.Tens
             t = t.t()
         out[hf] = t.to(DTYPES[dtype]).contiguous().clone()
     out.update({k: v.to(DTYPES[dtype]) for k, v in fixed_tensors(arch, cfg).items()})
+    if arch == MOE_ARCH.model_type:
+        # The router and its biases stay fp32, as Glm4Moe computes its routing in fp32.
+        out.update({k: v.contiguous() if k.endswith("e_score_correction_bias") else v.to(DTYPES[dtype]).contiguous()
+                    for k, v in moe_tensors(sd, cfg).items()})
     return out
 
 

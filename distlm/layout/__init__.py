@@ -46,15 +46,18 @@ from distlm.errors import ConfigError
 from distlm.layout.axis import Axis, token_id_extras
 from distlm.layout.context import Context
 from distlm.layout.data import DataReplicate, DataShard
+from distlm.layout.expert import Expert
 from distlm.layout.pipeline import Pipeline
 from distlm.layout.tensor import Tensor
 
 # The registry: every axis, in the order of the config's fields and of layout names (ddp2xtp2).
-AXES: tuple[Axis, ...] = (DataReplicate(), DataShard(), Tensor(), Pipeline(), Context())
+AXES: tuple[Axis, ...] = (DataReplicate(), DataShard(), Tensor(), Pipeline(), Context(), Expert())
 # The device mesh's dimensions, outermost first: tp innermost, so that its frequent
 # collectives stay on consecutive ranks (one node's fast links); pp outermost. cp next to tp:
-# its all-gather runs in every attention layer, FSDP2's once per block.
-MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# its all-gather runs in every attention layer, FSDP2's once per block. ep inside the data
+# shards: an FSDP2 unit over dp_shard holding experts sharded over ep lays them out on the
+# (dp_shard, ep) mesh, in that order.
+MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 def axis_named(name: str) -> Axis:
@@ -69,6 +72,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def of(cls, p) -> "Layout":
@@ -111,17 +115,17 @@ class Layout:
     @property
     def replicate_axes(self) -> tuple[str, ...]:
         """The dimensions gradients are all-reduced over (DDP's, HSDP's outer one)."""
-        return self._roles(lambda a: a.gradients == "replicate")
+        return self._roles(lambda a: a.gradient_role(self) == "replicate")
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """The dimensions gradients are reduce-scattered over into parameter shards (FSDP2's)."""
-        return self._roles(lambda a: a.gradients == "shard")
+        return self._roles(lambda a: a.gradient_role(self) == "shard")
 
     @property
     def gradient_axes(self) -> tuple[str, ...]:
         """Every dimension the gradients are averaged over."""
-        return self._roles(lambda a: a.gradients is not None)
+        return self._roles(lambda a: a.gradient_role(self) is not None)
 
     @property
     def dp_size(self) -> int:

@@ -44,6 +44,10 @@ class Axis:
     #   None: it holds all of it
 
     # -- the axis's rules ----------------------------------------------------------------------
+    def gradient_role(self, layout) -> Optional[str]:
+        """``gradients`` in ``layout``: an axis whose role depends on the other axes says so here."""
+        return self.gradients
+
     def check_model(self, m, p, degree: int) -> None:
         """Refuse a model this axis cannot split at ``degree`` (ConfigError). ``m``: the
         model section, ``p``: the parallel one. Run again once the data has fixed the

@@ -22,6 +22,7 @@ from distlm.config import ConfigError, ModelConfig
 from distlm.local_shard import local_shard
 from distlm.model.attention import attend, block_mask, dense_mask, document_ids, flex_usable
 from distlm.model.loss import chunked_head_loss, lm_loss
+from distlm.model.moe import MoE, expert_width, inactive_params, is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -189,13 +190,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
         super().__init__()
+        d_ff = d_ff or cfg.d_ff  # another width: the shared experts of an MoE block
         self.swiglu = cfg.mlp == "swiglu"
         self.relu2 = cfg.mlp == "relu2"
-        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
-        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.w_in = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
+        self.w_gate = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias) if self.swiglu else None
+        self.w_out = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -214,7 +216,8 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, value_embed=value_embed_table(cfg, layer) is not None)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not is_moe_layer(cfg, layer) else \
+            MoE(cfg, MLP(cfg, d_ff=cfg.moe.shared * expert_width(cfg)) if cfg.moe.shared else None)
 
     def forward(self, x, rope=None, cache=None, start_pos: int = 0, attn_mask=None, causal: bool = True,
                 ve=None):
@@ -289,6 +292,8 @@ class GPT(nn.Module):
             else nn.Linear(cfg.d_model, V, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        # moe.aux_loss: the MoE blocks whose auxiliary losses join the training loss.
+        self.aux_losses = [m for m in self.modules() if isinstance(m, MoE)] if cfg.moe.aux_loss else []
         # Fixed tables are non-persistent buffers: derived from the config, never checkpointed.
         self.register_buffer("sinusoid", torch.empty(0), persistent=False)
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -312,6 +317,9 @@ class GPT(nn.Module):
             self.sinusoid = sinusoid_table(cfg.block_size, cfg.d_model, device) * sinusoid_scale(cfg)
         elif cfg.position == "rope":
             self.rope_cos, self.rope_sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_theta, device)
+        for m in self.modules():
+            if isinstance(m, MoE):  # the routing biases start even (and not as to_empty's garbage)
+                m.expert_bias.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, device=None, threads: int | None = None):
@@ -337,7 +345,7 @@ class GPT(nn.Module):
         """
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layer)
-        resid_proj = ("wo.weight", "w_out.weight")
+        resid_proj = ("wo.weight", "w_out.weight", "experts.w_out")  # the last: an MoE block's experts
 
         def whole(name: str, p: torch.Tensor) -> torch.Tensor:
             leaf = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
@@ -472,7 +480,10 @@ class GPT(nn.Module):
             if self.cfg.skip_connections and layer < self.cfg.n_layer // 2:
                 skips.append(x)
         if targets is not None:
-            return self.head_loss(x, targets)
+            loss = self.head_loss(x, targets)
+            if self.training and self.aux_losses:
+                loss = loss + sum(m.aux_loss for m in self.aux_losses)
+            return loss
         if self.norm is not None:
             x = self.norm(x)
         return self.head(x) if self.head is not None else x
@@ -520,5 +531,7 @@ def _copy_shard(p: torch.Tensor, full: torch.Tensor) -> None:
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """6N + 12*L*d*T (PaLM appendix B): matmul FLOPs of forward+backward per token,
-    attention scores included, no causal halving. N = non-embedding params + head."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.block_size
+    attention scores included, no causal halving. N = non-embedding params + head, and of
+    a mixture of experts only the active ones: each token runs k of the E routed experts
+    (the router and the shared experts count whole)."""
+    return 6 * (n_params - inactive_params(cfg)) + 12 * cfg.n_layer * cfg.d_model * cfg.block_size

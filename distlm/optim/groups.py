@@ -48,13 +48,14 @@ def _path(name: str) -> list[str]:
 
 def matrix_params(model: nn.Module) -> tuple[list, list]:
     """(matrices, fused q/k/v matrices) for a matrix optimizer such as Muon: the 2-D weights
-    inside the transformer blocks (``blocks.*``), except embedding tables. Embeddings and the
+    inside the transformer blocks (``blocks.*``), except embedding tables, and the 3-D ones
+    (an MoE block's experts, one matrix per expert). Embeddings and the
     head stay with AdamW: a table row is updated only by its tokens' gradients, and the head's
     rows are per-token outputs; neither is a hidden linear map."""
     embedding_ids = {id(p) for p in embedding_tables(model)}
     plain, fused, seen = [], [], set()
     for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen or p.ndim != 2 or id(p) in embedding_ids:
+        if not p.requires_grad or id(p) in seen or p.ndim not in (2, 3) or id(p) in embedding_ids:
             continue
         path = _path(name)
         if "blocks" not in path[:-1]:

@@ -177,9 +177,9 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if kind == "muon":
             for p in self.param_groups[-1]["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon updates matrices; got a parameter of shape {tuple(p.shape)} "
-                                     f"(put it in a group of kind 'adamw')")
+                if p.ndim not in (2, 3) or (p.ndim == 3 and param_group["split"] != 1):
+                    raise ValueError(f"Muon updates matrices (or stacks of them, split=1); got a parameter of "
+                                     f"shape {tuple(p.shape)} (put it in a group of kind 'adamw')")
                 if p.shape[0] % param_group["split"]:
                     raise ValueError(f"Muon: split={param_group['split']} does not divide the rows of "
                                      f"{tuple(p.shape)}")
@@ -257,7 +257,12 @@ class Muon(torch.optim.Optimizer):
                 by_momentum.setdefault((group["momentum"], group["nesterov"]), []).append(len(work))
                 if group["weight_decay"]:
                     by_decay.setdefault(1.0 - lr * group["weight_decay"], []).append(len(work))
-                rows, cols = p.shape[0] // split, p.shape[1]
+                if p.ndim == 3:
+                    # An MoE block's experts, (E, in, out), each used as x @ w[e]: E matrices
+                    # whose rows are the inputs, the transpose of nn.Linear's (out, in).
+                    rows, cols = p.shape[2], p.shape[1]
+                else:
+                    rows, cols = p.shape[0] // split, p.shape[1]
                 work.append((p, lr * update_scale(rows, cols), split, group["ns_steps"]))
         moms: list = [None] * len(work)
         for (mu, nesterov), idx in by_momentum.items():
@@ -302,11 +307,13 @@ class Muon(torch.optim.Optimizer):
             [(p, m, (split, ns_steps)) for (p, _, split, ns_steps), m in zip(work, moms)], self._orthogonalise, apply)
 
     def _orthogonalise(self, stack: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
+        # A stack of matrices (n, rows, cols), or of 3-D parameters (n, E, rows, cols): each of
+        # the n * split (or n * E) matrices orthogonalised on its own.
         split, steps = tag
-        n, rows, cols = stack.shape
+        rows, cols = stack.shape[-2:]
         orthogonalise = NEWTON_SCHULZ.get(stack.device.type, newton_schulz)
-        out = orthogonalise(stack.reshape(n * split, rows // split, cols), steps, self.ns_dtype)
-        return out.reshape(n, rows, cols)
+        out = orthogonalise(stack.reshape(-1, rows // split, cols), steps, self.ns_dtype)
+        return out.reshape(stack.shape)
 
 
 # The largest share of a model's matrices that one Newton-Schulz stack holds (see MuonSpec).

@@ -65,7 +65,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     ``amp_dtype``: where and in which autocast dtype the plan's compute context runs.
 
     The order, written once: pipeline split (prune to this rank's stages), TP, the context
-    split's per-batch hook, activation checkpointing, compile, FSDP2, allocation + init, DDP. ``materialize(model)``
+    split's per-batch hook, activation checkpointing, compile, EP, FSDP2, allocation + init, DDP. ``materialize(model)``
     allocates and initialises a meta-device model: after the sharding steps, so each rank
     allocates only its shards, and before DDP, whose constructor needs real tensors. An
     axis whose ranks need each micro-batch changed adds its per-batch hook to ``hooks``
@@ -93,16 +93,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         apply_compile(model, cfg.train.compile_scope, cfg.train.compile_mode, static=cfg.train.seq_warmup_steps > 0)
     if parts is not None:
         parts.refresh_views()  # the views must hold the wrapped blocks
+    # Expert parallelism holds part of the model but runs whole blocks: it leaves its experts
+    # out of DDP (or gives them an FSDP2 unit of their own) and lets DDP replicate the rest.
+    ep_ddp = dims.ep > 1 and not dims.shards_parameters
+    if dims.ep > 1:
+        from distlm.parallel.expert import apply_ep
+        apply_ep(model, dims, pcfg)
     # With TP or PP, replication goes through FSDP2 too (a (dp_replicate, dp_shard) mesh
     # whose shard axis may be 1): DDP cannot hold DTensors, nor drive a pipeline stage.
-    if dims.shards_parameters or (dims.replicate_degree > 1 and not dims.holds_whole_model):
+    if dims.shards_parameters or (dims.replicate_degree > 1 and not dims.holds_whole_model and not ep_ddp):
         from distlm.parallel.fsdp import apply_fsdp
         apply_fsdp(model, dims, pcfg, roots=parts.views if parts is not None else None)
     if materialize is not None:
         materialize(model)
     # DDP where every rank holds the whole model and runs whole blocks (whether or not its
     # rows are cut): it all-reduces the gradients over the replicate dimension.
-    ddp = dims.replicate_degree > 1 and dims.holds_whole_model and not dims.splits_forward and pcfg.engine == "torch"
+    ddp = dims.replicate_degree > 1 and (dims.holds_whole_model or ep_ddp) and not dims.splits_forward \
+        and pcfg.engine == "torch"
     if ddp:
         from distlm.parallel.ddp import apply_ddp
         model = apply_ddp(model, dims, pcfg)  # Horovod reduces itself

@@ -224,6 +224,8 @@ def console_line(status: Status, r: dict) -> str:
              f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}",
              f"tok/s {r['tokens_per_s']:,.0f}", "mfu " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
              "mem " + ("n/a" if r["mem_gb"] is None else f"{r['mem_gb']:.2f}GB")]
+    if r.get("moe_load_max_over_mean") is not None:  # the busiest expert's load over the mean, worst block
+        parts.append(f"moe max/mean {r['moe_load_max_over_mean']:.2f}")
     if r.get("val_loss") is not None:
         parts.append(f"val {r['val_loss']:.4f} (ppl {r['val_ppl']:.1f})")
     return " | ".join(parts)

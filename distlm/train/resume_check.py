@@ -123,9 +123,17 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     out = []
     for key in must_match_fields():
         section, name = key.split(".")
-        default = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name).default
+        f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+        default = f.default
         was = (saved.get(section) or {}).get(name, default)
         now = getattr(getattr(cfg, section), name)
+        if dataclasses.is_dataclass(now):  # a nested section (model.moe): compared field by field
+            base = dataclasses.asdict(f.default_factory())
+            was = {**base, **(was if isinstance(was, dict) else {})}
+            now = dataclasses.asdict(now)
+            # the kernel computes the same numbers, as train.compile does
+            out += [(f"{key}.{k}", was[k], now[k]) for k in now if was[k] != now[k] and k != "kernel"]
+            continue
         if not _same(key, was, now):
             out.append((key, was, now))
     return out

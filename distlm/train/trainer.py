@@ -27,6 +27,7 @@ from distlm.host import local_rank
 from distlm.io import atomic_write_text
 from distlm.model.float8 import check_float8_on
 from distlm.model.gpt import flops_per_token
+from distlm.model.moe import ExpertBalance
 from distlm.optim import spec_for
 from distlm.parallel.engine import make_engine, seed_for_rank
 from distlm.tasks import build_task
@@ -121,6 +122,10 @@ class Trainer:
         # four laps: compiler import, model plan, weights, data-parallel wrap
         self.plan = build_model(cfg, self.dims, self.device, self.task, clock)
         self.model, self.gpt, self.stepper = self.plan.model, self.plan.module, self.plan.step
+        # model.moe: the routing biases' update after each step, and the experts' load for the log.
+        self.balance = ExpertBalance.of(self.gpt, cfg.model)
+        if self.balance is not None:
+            self.balance.attach()
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         # train.on_nan: who decides whether a step with a NaN/Inf loss or gradient is taken, the
         # device (the optimizer's step takes a found_inf flag) or the host (distlm/train/faults.py).
@@ -262,6 +267,8 @@ class Trainer:
         # reads two numbers on the host first, one device sync per step.
         self.nan_guard.step(self.step + 1, loss_mean, grad_norm,
                             lambda found_inf: self.engine.optimizer_step(self.optimizer, found_inf))
+        if self.balance is not None:
+            self.balance.step()
         self.optimizer.zero_grad()  # set_to_none, the default since torch 2.0 (Horovod takes no argument)
         mark("optimizer")
         self.step += 1
@@ -372,7 +379,8 @@ class Trainer:
         if main:
             say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
-                f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
+                f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G"
+                + (" (N: active parameters; MFU counts them)" if cfg.model.moe.enabled else ""))
             say(self.setup_line)
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         self.lr_clock.start()
@@ -526,6 +534,8 @@ class Trainer:
                "grad_norm": float(grad_norm), "tokens_per_s": tps,
                "mfu": mfu(tps / self.dims.world_size, self.flops_per_token, self.peak),
                "mem_gb": memory_gb(self.device), "elapsed_s": time.perf_counter() - t_start}
+        if self.balance is not None:
+            row.update(self.balance.metrics())
         val = None
         if do_eval:
             val = self.evaluate()
