@@ -27,6 +27,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -45,7 +46,7 @@ from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _wor
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
 from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
                                      verify_files)
-from distlm.io import atomic_write_text
+from distlm.io import atomic_write_text, write_new
 from distlm.local_shard import local_shard
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
@@ -132,7 +133,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
                 if "config" in meta:
-                    (tmp / CONFIG).write_text(json.dumps(meta["config"], indent=1))
+                    write_new(tmp / CONFIG, json.dumps(meta["config"], indent=1).encode())
             except OSError as e:
                 error = e
         _agree(error, f"cannot write checkpoint {final}")
@@ -142,10 +143,14 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         rng_error = None
         try:
             (tmp / "rng").mkdir(exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(tmp / "rng").st_mode):  # mkdir's exist_ok follows a link
+                raise CheckpointSaveError(f"{tmp / 'rng'}: is not a folder of this save (a link?)", "not a folder")
             rng = {"cpu": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, tmp / "rng" / f"rank_{_rank():05d}.pt")
+            buf = io.BytesIO()
+            torch.save(rng, buf)
+            write_new(tmp / "rng" / f"rank_{_rank():05d}.pt", buf.getvalue())
         except Exception as e:
             rng_error = e
         if async_save:
