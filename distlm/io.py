@@ -179,7 +179,10 @@ def read_csv(path: str | Path, limit: int = 1 << 30) -> list[dict]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); not a file distlm wrote (refused)") from None
-    return list(csv.DictReader(io.StringIO(text, newline="")))
+    try:
+        return list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as e:  # a NUL byte, a field over csv's limit: not a file distlm wrote
+        raise ConfigError(f"{path}: not a CSV file distlm wrote ({e}); refused (move it aside)") from None
 
 
 def trim_csv(path: str | Path, fieldnames: list[str], keep: Callable[[dict], bool]) -> list[dict]:

@@ -5,9 +5,9 @@ Only the main rank writes. metrics.csv has one row per logged step: values logge
 for the same step (the final evaluation after the last step's row) are merged into its
 row, the file rewritten whole (atomically, so a reader sees the old file or the new one).
 Nothing is written into a file at these names: metrics.csv is appended to only through the
-descriptor of the new file distlm made for it (distlm/io.py: replace_and_keep), samples.txt
-is copied with its new block into a new file that replaces it; a link placed at either
-name is replaced, never written through. On resume, CSV rows and samples past the resumed step are dropped so the files show one
+descriptor of the new file distlm made for it (distlm/io.py: replace_and_keep), and so is
+samples.txt, made new with the kept blocks at the first samples of this process; a link
+placed at either name is replaced, never written through. On resume, CSV rows and samples past the resumed step are dropped so the files show one
 run, not the crashed attempt and its repeat.
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from distlm.io import atomic_append, atomic_write_text, csv_text, read_csv, read_own, replace_and_keep
+from distlm.io import atomic_write_text, csv_text, read_csv, read_own, replace_and_keep
 
 # wall_time (Unix seconds) lets a benchmark time each row from its own process start.
 COLUMNS = ["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb",
            "val_loss", "val_ppl", "elapsed_s", "wall_time"]
 SAMPLES_FILE = "samples.txt"
 SAMPLES_HEADER = "=== step "  # each evaluation's block in samples.txt starts with this
-SAMPLES_LIMIT = 256 << 20  # samples.txt is copied whole at each append: a bound on that copy
+SAMPLES_LIMIT = 256 << 20  # samples.txt is read whole on resume: a bound on that read
 
 
 def log_interval(every: int, max_steps: int) -> int:
@@ -45,6 +45,8 @@ class RunLogger:
         self.elapsed_offset = 0.0
         self.samples_path = Path(run_dir) / SAMPLES_FILE
         self._last: dict | None = None  # the newest row written, for merging
+        self._kept_samples = ""  # samples.txt's blocks up to the resumed step, until the first new block
+        self._samples = None  # samples.txt's own descriptor, from the first new block on
         if not enabled:
             return
         rows = self._truncate(resume_step)
@@ -93,6 +95,7 @@ class RunLogger:
     def _trim_samples(self, step: int) -> None:
         """Drop the samples.txt blocks of steps past ``step`` (a crashed attempt's)."""
         old = read_own(self.samples_path, SAMPLES_LIMIT).decode("utf-8", errors="replace")
+        self._kept_samples = old
         if not old:
             return
         blocks, keep = [], True
@@ -103,6 +106,7 @@ class RunLogger:
             if keep:
                 blocks.append(line)
         text = "".join(blocks)
+        self._kept_samples = text
         if text != old:
             atomic_write_text(self.samples_path, text)
 
@@ -147,7 +151,11 @@ class RunLogger:
             return
         block = [f"{SAMPLES_HEADER}{step} === {header}\n"]
         block += [f"--- sample {i} (seed {i}) ---\n{prompt}{t}\n" for i, t in enumerate(texts)]
-        atomic_append(self.samples_path, "".join(block) + "\n", SAMPLES_LIMIT)
+        if self._samples is None:
+            self._samples = replace_and_keep(self.samples_path, self._kept_samples, newline=None)
+            self._kept_samples = ""
+        self._samples.write("".join(block) + "\n")
+        self._samples.flush()
         if self.tb is not None:
             md = [f"step {step}: {header}"]
             for i, t in enumerate(texts):
@@ -159,6 +167,8 @@ class RunLogger:
         if not self.enabled:
             return
         self._file.close()
+        if self._samples is not None:
+            self._samples.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

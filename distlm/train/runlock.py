@@ -64,6 +64,7 @@ class RunLock:
                               f"wait for it to finish or choose another log.name") from None
         try:
             check_run_folder(self.path.parent)
+            check_holds_a_run(self.path.parent)
         except BaseException:
             os.close(fd)
             raise
@@ -114,6 +115,60 @@ class RunLock:
             pass  # something arrived in the folder meanwhile: it stays, as it is
         finally:
             self.release()
+
+
+# What distlm itself may have put in a run folder before the run's first file: the lock, and
+# a Slurm attempt's record (distlm/launch/slurm.py), written before the trainer starts.
+_BEFORE_A_RUN = {LOCK, "slurm"}
+# The run's marker: written before its first step, so any run that has trained holds it.
+RUN_CONFIG = "config.yaml"
+
+
+def check_holds_a_run(run_dir: Path) -> None:
+    """ConfigError unless ``run_dir`` is new (empty, or only what distlm writes before a run
+    starts) or holds a distlm run: a config.yaml that is a distlm config, or a checkpoint. A
+    folder of something else (a home folder, a data folder, log.root itself as log.name=.,
+    a link's target) is never adopted, whatever train.resume says: a start there would
+    overwrite its config.yaml and metrics.csv."""
+    run_dir = Path(run_dir)
+    names = {entry.name for entry in os.scandir(run_dir)}
+    if names <= _BEFORE_A_RUN or _has_checkpoint(run_dir / "checkpoints"):
+        return
+    why = _not_a_run_config(run_dir / RUN_CONFIG)
+    if why:
+        shown = ", ".join(sorted(names - _BEFORE_A_RUN)[:3]) + (", ..." if len(names - _BEFORE_A_RUN) > 3 else "")
+        raise ConfigError(f"{run_dir}: holds files ({shown}) but no distlm run ({why}); refused: a run started "
+                          f"there would overwrite them (choose another log.name, or an empty folder)")
+
+
+def _has_checkpoint(ckpt_root: Path) -> bool:
+    from distlm.checkpoint.files import MARKER
+    try:
+        with os.scandir(ckpt_root) as entries:
+            return any(e.name.startswith("step_") and e.is_dir(follow_symlinks=False)
+                       and os.path.isfile(os.path.join(e.path, MARKER)) for e in entries)
+    except OSError:
+        return False
+
+
+def _not_a_run_config(path: Path) -> str:
+    """Why ``path`` is not the config.yaml of a distlm run ("" when it is one): a regular file
+    whose top level is a mapping of config sections."""
+    from distlm.bounded_yaml import read_yaml_file
+    from distlm.config import SECTIONS
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"no {RUN_CONFIG}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"its {RUN_CONFIG} is {_kind(st.st_mode)}"
+    try:
+        data = read_yaml_file(path)
+    except ConfigError:
+        return f"its {RUN_CONFIG} is not a distlm config"
+    if not isinstance(data, dict) or not data or not set(data) <= set(SECTIONS):
+        return f"its {RUN_CONFIG} is not a distlm config"
+    return ""
 
 
 def holds_no_run(run_dir: Path) -> bool:
