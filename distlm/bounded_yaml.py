@@ -49,10 +49,11 @@ def read_config_bytes(path: Path, limit: int = MAX_BYTES) -> bytes:
         if e.errno == errno.EISDIR:
             raise ConfigError(f"{path}: is a folder, not a config file") from None
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with a bare OSError
+        os.close(fd)
+        raise ConfigError(f"{path}: is {_kind(st.st_mode)}, not a config file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path}: is {_kind(st.st_mode)}, not a config file")
         if st.st_size > limit:
             raise ConfigError(f"{path}: {st.st_size:,} bytes, over the {limit:,}-byte limit of a config file")
         os.set_blocking(fd, True)

@@ -376,6 +376,8 @@ def _shown(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1 << 64:
         return f"an integer of {len(str(abs(value))) if value.bit_length() < 40_000 else 'over 12,000'} digits"
     if isinstance(value, str) and len(value) > 60:
+        if value.strip().lstrip("+-").isdigit():
+            return f"an integer of {len(value.strip().lstrip('+-')):,} digits"
         return f"{value[:40]!r}... ({len(value):,} characters)"
     text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
     return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"

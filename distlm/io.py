@@ -120,10 +120,11 @@ def read_own(path: str | Path, limit: int) -> bytes:
         if os.path.islink(path):
             raise ConfigError(f"{path}: is a symbolic link, not a file of the run (refused; remove it)") from None
         raise ConfigError(f"{path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with a bare OSError
+        os.close(fd)
+        raise ConfigError(f"{path}: is not a regular file (refused; remove it)")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path}: is not a regular file (refused; remove it)")
         if st.st_size > limit:
             raise ConfigError(f"{path}: {st.st_size} bytes, over the {limit}-byte limit of a file distlm "
                              f"writes (refused)")
