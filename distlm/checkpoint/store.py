@@ -44,8 +44,8 @@ from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, Corr
 from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
 from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
-from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
-                                     verify_files)
+from distlm.checkpoint.verify import (VerifiedFiles, marker_text, pruned_meanwhile, read_meta,  # noqa: F401
+                                     verify_checkpoint, verify_files)
 from distlm.io import atomic_write_text, write_new
 from distlm.local_shard import local_shard
 
@@ -231,12 +231,12 @@ def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict, memo: Optional
                 kept["files"] = old["files"]
             if CONFIG in old.get("files", {}):
                 kept["config"] = old["config"]  # the config its kept config.json holds
-            atomic_write_text(final / MARKER, json.dumps(kept, indent=1))
+            atomic_write_text(final / MARKER, marker_text(kept))
             shutil.rmtree(tmp, ignore_errors=True)
             _fsync_dir(ckpt_root)
             _remember(memo, final, kept)
             return
-    atomic_write_text(tmp / MARKER, json.dumps(meta, indent=1))
+    atomic_write_text(tmp / MARKER, marker_text(meta))
     if final.exists():  # a torn or damaged folder of this step: replace it
         _remove_checkpoint(final)
     os.replace(tmp, final)
@@ -282,7 +282,7 @@ def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> d
     meta = read_meta(ckpt)
     was_verified = memo is not None and "files" in meta and memo.holds(ckpt, meta["files"])
     meta.update(fields)
-    atomic_write_text(ckpt / MARKER, json.dumps(meta, indent=1))
+    atomic_write_text(ckpt / MARKER, marker_text(meta))
     if was_verified:
         memo.remember(ckpt, meta["files"])
     return meta
