@@ -43,7 +43,8 @@ from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, Corr
                                       NonFiniteCheckpoint)
 from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
-from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
+from distlm.checkpoint.safe_dcp import (ENTRY_LIMIT, load_weights_only, one_line, read_dcp_metadata, safe_load,
+                                       underlying_errors)
 from distlm.checkpoint.verify import (VerifiedFiles, marker_text, pruned_meanwhile, read_meta,  # noqa: F401
                                      verify_checkpoint, verify_files)
 from distlm.io import atomic_write_text, write_new
@@ -408,7 +409,7 @@ def load_model_state(ckpt: Path, model_sd: dict, verify: bool = True, memo: Opti
 
 def _read_rng(rng_file: Path) -> dict:
     with open_regular(rng_file) as fh:
-        rng = load_weights_only(io.BytesIO(fh.read()), str(rng_file))
+        rng = load_weights_only(io.BytesIO(fh.read(ENTRY_LIMIT + 1)), str(rng_file))
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and rng["cpu"].dtype == torch.uint8
             and isinstance(rng.get("cuda", rng["cpu"]), torch.Tensor)):
         raise CorruptCheckpoint(f"{rng_file}: not an RNG state")

@@ -207,11 +207,12 @@ def check_safetensors(f: Path) -> None:
 def _read_bin(f: Path) -> dict:
     """A pytorch_model.bin through torch.load(weights_only=True): a pickle that names any
     global beyond tensors is refused, nothing is called. Zip files are mapped, not read."""
-    from distlm.checkpoint.safe_dcp import weights_only_reason
+    from distlm.checkpoint.safe_dcp import pinned_weights_only, weights_only_reason
     _regular(f, "the weights file")
     try:
         import zipfile
-        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+        with pinned_weights_only():  # what it may construct: distlm's list, whatever is imported
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
     except Exception as e:  # UnpicklingError for a refused global; anything for a damaged file
         raise InteropError(f"{f}: refused to load ({weights_only_reason(e)}); "
                            f"a model.safetensors is the safe format") from None
