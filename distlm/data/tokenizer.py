@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from distlm.data import DataError
+from distlm.data import DataError, read_regular_text
 
 GPT2_DIR = Path(__file__).resolve().parent.parent / "assets" / "gpt2"
 EOT = "<|endoftext|>"
@@ -241,11 +241,9 @@ def load_tokenizer(name: str, data_dir: Path | str | None = None) -> Tokenizer:
         raise DataError(f"tokenizer {name!r} is trained by prepare: pass the data folder holding its tokenizer.json")
     path = Path(data_dir) / "tokenizer.json"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path, TOKENIZER_MAX_BYTES, "the tokenizer")
     except FileNotFoundError:
         raise DataError(f"{path}: missing; a {name} tokenizer is written there by `distlm prepare`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
     tok = BPETokenizer(name, text, str(path))
     if tok.vocab_size > n:
         raise DataError(f"{path}: has {tok.vocab_size} tokens, more than {name} allows")
@@ -253,6 +251,7 @@ def load_tokenizer(name: str, data_dir: Path | str | None = None) -> Tokenizer:
 
 
 RECORD_MAX_BYTES = 1 << 20  # a tokenizer record is a few lines; anything bigger is not one
+TOKENIZER_MAX_BYTES = 256 << 20  # a BPE's tokenizer.json: a few MB at the largest vocabulary
 
 
 def read_tokenizer_record(path: Path) -> dict:
