@@ -36,7 +36,7 @@ def claim_run_name(root: Path, prefix: str) -> str:
     machine) took the same name, and the second was refused as "in use by another trainer".
     The later one now gets -2 (-3, ...). Called by one process; the others are told the name."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root, "log.root")
     stamp = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
     for n in itertools.count(1):
         name = stamp if n == 1 else f"{stamp}-{n}"
@@ -45,6 +45,9 @@ def claim_run_name(root: Path, prefix: str) -> str:
             return name
         except FileExistsError:
             continue
+        except OSError as e:
+            raise ConfigError(f"log.root={root}: cannot create the run folder {root / name}: "
+                              f"{e.strerror or e.__class__.__name__}") from None
 
 
 class RunLock:
@@ -53,12 +56,13 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.path.parent, "the run folder")
         fd = self._open()
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            holder = text if text.isdigit() and text.isascii() else "unknown"  # never echo its bytes raw
             os.close(fd)
             raise ConfigError(f"run directory {self.path.parent} is in use by another trainer (PID {holder}); "
                               f"wait for it to finish or choose another log.name") from None
@@ -169,6 +173,18 @@ def _not_a_run_config(path: Path) -> str:
     if not isinstance(data, dict) or not data or not set(data) <= set(SECTIONS):
         return f"its {RUN_CONFIG} is not a distlm config"
     return ""
+
+
+def make_folder(folder: Path, what: str) -> None:
+    """``folder`` and its parents, or a one-line ConfigError: log.root on a file, under /proc,
+    read-only or full is a user's choice of place, not a bug."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else (
+            e.strerror or e.__class__.__name__)
+        raise ConfigError(f"{folder}: cannot create {what} there ({why}); choose another log.root or "
+                          f"log.name") from None
 
 
 def holds_no_run(run_dir: Path) -> bool:

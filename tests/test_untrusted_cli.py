@@ -1,0 +1,95 @@
+"""Error paths of the command line that were tracebacks or raw bytes: a log.root that cannot
+hold a run folder, a held .lock whose content is not a PID, generate's --out and prompts that
+are not UTF-8. Each is one line on stderr, exit 2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fault_harness import CLI_TINY  # noqa: E402
+
+from distlm.cli import main  # noqa: E402
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "proc"])
+@pytest.mark.parametrize("named", [True, False])
+def test_a_log_root_that_cannot_hold_a_run_folder_is_one_line(where, named, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    root = {"a-file": afile, "under-a-file": afile / "runs", "proc": Path("/proc/self/no-such")}[where]
+    extra = ["log.name=r"] if named else []
+    assert main(["train", *CLI_TINY, "train.max_steps=1", f"log.root={root}", *extra]) == 2
+    msg = one_error(capsys)
+    assert str(root) in msg and "Traceback" not in msg, msg
+    assert afile.read_text() == "x"
+
+
+def test_a_held_lock_with_escape_codes_is_not_echoed(tmp_path, capsys):
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    lock = run / ".lock"
+    lock.write_bytes(b"\x1b[2J\x1b]0;owned\x07")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
+                               "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code = main(["train", *CLI_TINY, "train.max_steps=1", f"log.root={run.parent}", "log.name=r",
+                     "train.resume=auto"])
+    finally:
+        holder.kill()
+        holder.wait()
+    msg = one_error(capsys)
+    assert code == 2 and "\x1b" not in msg and "\x07" not in msg and "PID unknown" in msg, repr(msg)
+
+
+def generate(*args: str) -> list[str]:
+    return ["generate", "--checkpoint", "/nonexistent/run", *args]
+
+
+def test_generate_refuses_an_out_in_a_missing_folder_before_loading(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    out = tmp_path / "no-such-folder" / "out.jsonl"
+    assert main(generate("--prompts-file", str(prompts), "--out", str(out))) == 2
+    assert "no folder" in one_error(capsys)
+
+
+def test_generate_refuses_an_out_that_is_a_folder(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    assert main(generate("--prompts-file", str(prompts), "--out", str(tmp_path))) == 2
+    assert "is a folder" in one_error(capsys)
+
+
+@pytest.mark.parametrize("data, words", [(b"caf\xe9\n", "UTF-8"), (None, "a FIFO"), ("folder", "a folder")])
+def test_generate_refuses_a_prompts_file_it_cannot_read_as_text(data, words, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    if data is None:
+        os.mkfifo(prompts)
+    elif data == "folder":
+        prompts.mkdir()
+    else:
+        prompts.write_bytes(data)
+    t = time.perf_counter()
+    assert main(generate("--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl"))) == 2
+    assert words in one_error(capsys) and time.perf_counter() - t < 30
+
+
+def test_generate_refuses_a_prompt_of_bytes_that_are_not_utf8(capsys):
+    prompt = b"caf\xe9".decode("utf-8", errors="surrogateescape")  # what Python makes of such argv bytes
+    assert main(generate("--prompt", prompt)) == 2
+    assert "UTF-8" in one_error(capsys)
