@@ -93,3 +93,26 @@ def test_generate_refuses_a_prompt_of_bytes_that_are_not_utf8(capsys):
     prompt = b"caf\xe9".decode("utf-8", errors="surrogateescape")  # what Python makes of such argv bytes
     assert main(generate("--prompt", prompt)) == 2
     assert "UTF-8" in one_error(capsys)
+
+
+def test_eval_on_shards_with_ids_past_the_vocabulary_is_one_line(tiny_data, tmp_path, capsys):
+    import json
+    import shutil
+
+    import numpy as np
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    root = tmp_path / "runs"
+    assert main(["train", f"data.dir={data}", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64",
+                 "model.block_size=16", "train.global_batch_size=2", "train.micro_batch_size=2", "train.max_steps=1",
+                 "train.device=cpu", f"log.root={root}", "log.name=r", "log.progress=false", "log.tensorboard=false",
+                 "train.eval_every=0", "log.samples=0"]) == 0
+    manifest = json.loads((data / "manifest.json").read_text())
+    shard = data / manifest["splits"]["val"]["shards"][0]["file"]
+    ids = np.fromfile(shard, dtype=manifest["dtype"])
+    ids[3] = 60_000  # inside uint16, past GPT-2's 50,257
+    ids.tofile(shard)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(root / "r"), "--data", str(data), "--device", "cpu"]) == 2
+    msg = one_error(capsys)
+    assert "60000" in msg and "vocabulary" in msg, msg
