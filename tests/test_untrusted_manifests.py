@@ -217,3 +217,13 @@ def test_an_hf_config_that_is_not_an_object_is_one_line(text, tmp_path):
     with pytest.raises(InteropError) as e:
         apply_hf_model_config(ModelConfig(), tmp_path)
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["x" * 10_500, "ab" * 3000 + "\n" + "y" * 7000, "z" * 999 + " " + "w" * 5000])
+def test_no_piece_handed_to_a_tokenizer_exceeds_the_hard_cut(text, monkeypatch):
+    """A whitespace-free run longer than HARD_CUT is cut there: tiktoken aborted the process on
+    a multi-GB one. The pieces still join to the text."""
+    from distlm.data import tokenizer as tkz
+    monkeypatch.setattr(tkz, "HARD_CUT", 1000)
+    pieces = list(tkz.split_for_encoding(text, 100))
+    assert "".join(pieces) == text and max(map(len, pieces)) <= 1000

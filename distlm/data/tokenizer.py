@@ -301,6 +301,11 @@ def load_recorded_tokenizer(record, directory: Path | str, source) -> Tokenizer:
     return tok
 
 
+# The longest piece the tokenizers are given: tiktoken aborted the process (a Rust panic,
+# exit 134) on a single multi-GB "word"; 64 Mi characters encode in under a minute.
+HARD_CUT = 1 << 26
+
+
 def split_for_encoding(text: str, size: int) -> Iterator[str]:
     """Cut ``text`` into pieces of about ``size`` chars that tokenize exactly as the whole.
 
@@ -314,8 +319,13 @@ def split_for_encoding(text: str, size: int) -> Iterator[str]:
     while n - start > size:
         lo, hi = start + max(1, size // 2), start + size
         cut = _safe_cut(text, "\n", lo, hi) or _safe_cut(text, " ", lo, hi) or _next_safe_cut(text, hi)
-        if not cut:
-            break
+        if not cut or cut - start > HARD_CUT:
+            # No safe place within HARD_CUT characters (one "word" of megabytes, from a small
+            # compressed file): cut there anyway. Its tokens differ from the whole's only at the
+            # cut, and tiktoken is never handed a piece it aborts the process on.
+            if n - start <= HARD_CUT:
+                break
+            cut = start + HARD_CUT
         yield text[start:cut]
         start = cut
     if start < n:
