@@ -116,3 +116,26 @@ def test_eval_on_shards_with_ids_past_the_vocabulary_is_one_line(tiny_data, tmp_
     assert main(["eval", "--checkpoint", str(root / "r"), "--data", str(data), "--device", "cpu"]) == 2
     msg = one_error(capsys)
     assert "60000" in msg and "vocabulary" in msg, msg
+
+
+def test_repeated_interrupts_at_exit_leave_no_traceback(monkeypatch, capsys):
+    """Ctrl-C during the final save, and again while the process group closes: "interrupted",
+    exit 130, and any further Ctrl-C ends the process by the default action, silently."""
+    import signal
+
+    import distlm.cli as cli
+
+    def interrupted(fn, args):
+        raise KeyboardInterrupt
+
+    def shutdown_interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "call", interrupted)
+    monkeypatch.setattr(cli, "_shutdown", shutdown_interrupted)
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli.main(["env"]) == 130
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert capsys.readouterr().err.strip() == "interrupted"
