@@ -35,7 +35,7 @@ def test_importing_torch_distributed_widens_torchs_own_list():
 def test_a_class_torch_distributed_marks_safe_is_refused(where, tmp_path):
     buf = io.BytesIO()
     torch.save({"cpu": torch.zeros(4, dtype=torch.uint8), "extra": placement()}, buf)
-    before = list(torch.serialization.get_safe_globals())
+    before = set(torch.serialization.get_safe_globals())
     source = io.BytesIO(buf.getvalue())
     if where == "file":
         source = tmp_path / "rank_00000.pt"
@@ -44,7 +44,7 @@ def test_a_class_torch_distributed_marks_safe_is_refused(where, tmp_path):
         safe_dcp.load_weights_only(source, "rng/rank_00000.pt")
     msg = str(e.value)
     assert "\n" not in msg and "Shard" in msg and "refused" in msg, msg
-    assert torch.serialization.get_safe_globals() == before  # the process's own list is put back
+    assert set(torch.serialization.get_safe_globals()) == before  # the process's own list is put back
 
 
 def test_plain_entries_still_load_with_the_list_pinned():
@@ -88,7 +88,7 @@ def test_a_small_file_naming_one_object_many_times_is_refused_fast(entries, chun
         safe_dcp.read_dcp_metadata(path)
     took = time.perf_counter() - t
     assert "\n" not in str(e.value) and str(path) in str(e.value), str(e.value)
-    assert took < 10, f"{took:.1f} s"
+    assert took < 10, f"{took:.1f} s"  # about 1 s alone; hours when every reference is rebuilt
 
 
 def test_an_oversized_metadata_file_is_refused_before_it_is_read(tmp_path):
@@ -110,3 +110,11 @@ def test_a_real_sharded_layout_stays_within_the_budget(tmp_path):
     path.write_bytes(pickle.dumps(md))
     assert len(safe_dcp.read_dcp_metadata(path).state_dict_metadata) == 200
     assert os.path.getsize(path) > 100_000
+
+
+@pytest.mark.parametrize("proto", [0, 5])
+def test_a_raw_pickle_is_refused_in_one_line_without_torchs_warning(proto, recwarn):
+    with pytest.raises(CheckpointError) as e:
+        safe_dcp.load_weights_only(io.BytesIO(pickle.dumps({"a": 1}, protocol=proto)), "rng/rank_00000.pt")
+    assert "\n" not in str(e.value)
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
