@@ -81,11 +81,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_file(path, "wb") as f:
-        f.write(data)
-
-
 def write_new(path: str | Path, data: bytes) -> None:
     """A file that must not exist yet, in a folder this process just made (a checkpoint's
     temporary folder): created with O_CREAT | O_EXCL | O_NOFOLLOW, so a name placed there
@@ -156,11 +151,11 @@ def atomic_write_dir(path: str | Path, fill: Callable[[Path], None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def csv_text(fieldnames: list[str], rows: Iterable[dict], header: bool = True) -> str:
+def csv_text(fieldnames: list[str], rows: Iterable[dict]) -> str:
+    """A CSV file's text: the header, then ``rows`` (keys outside ``fieldnames`` left out)."""
     buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, fieldnames=fieldnames, extrasaction="ignore")
-    if header:
-        w.writeheader()
+    w.writeheader()
     w.writerows(rows)
     return buf.getvalue()
 
@@ -184,16 +179,6 @@ def read_csv(path: str | Path, limit: int = 1 << 30) -> list[dict]:
         return list(csv.DictReader(io.StringIO(text, newline="")))
     except csv.Error as e:  # a NUL byte, a field over csv's limit: not a file distlm wrote
         raise ConfigError(f"{path}: not a CSV file distlm wrote ({e}); refused (move it aside)") from None
-
-
-def trim_csv(path: str | Path, fieldnames: list[str], keep: Callable[[dict], bool]) -> list[dict]:
-    """Keep the rows for which ``keep(row)`` holds (a resumed run drops the rows its crashed
-    attempt wrote past the checkpoint); returns them. Missing file: nothing to do."""
-    if not os.path.lexists(path):
-        return []
-    rows = [r for r in read_csv(path) if keep(r)]
-    write_csv(path, fieldnames, rows)
-    return rows
 
 
 def replace_and_keep(path: str | Path, text: str, newline: str | None = "") -> IO:

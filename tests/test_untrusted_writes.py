@@ -40,7 +40,6 @@ def assert_own_file(path: Path) -> None:
 # Every writer of distlm/io.py, as (name, write(path, text)).
 WRITERS = {
     "atomic_write_text": lambda p, t: dio.atomic_write_text(p, t),
-    "atomic_write_bytes": lambda p, t: dio.atomic_write_bytes(p, t.encode()),
     "write_csv": lambda p, t: dio.write_csv(p, ["a"], [{"a": t.strip()}]),
     "atomic_append": lambda p, t: dio.atomic_append(p, t),
     "replace_and_keep": lambda p, t: dio.replace_and_keep(p, t).close(),
