@@ -7,8 +7,9 @@ row, the file rewritten whole (atomically, so a reader sees the old file or the 
 Nothing is written into a file at these names: metrics.csv is appended to only through the
 descriptor of the new file distlm made for it (distlm/io.py: replace_and_keep), and so is
 samples.txt, made new with the kept blocks at the first samples of this process; a link
-placed at either name is replaced, never written through. On resume, CSV rows and samples past the resumed step are dropped so the files show one
-run, not the crashed attempt and its repeat.
+placed at either name is replaced, never written through. On resume, CSV rows and samples
+past the resumed step are dropped so the files show one run, not the crashed attempt and
+its repeat.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ import stat
 import time
 from pathlib import Path
 
-from distlm.config import ConfigError
+from distlm.bounded_yaml import read_yaml_file
+from distlm.config import SECTIONS, ConfigError
 
 LOCK = ".lock"
 
@@ -135,18 +136,22 @@ def check_holds_a_run(run_dir: Path) -> None:
     a link's target) is never adopted, whatever train.resume says: a start there would
     overwrite its config.yaml and metrics.csv."""
     run_dir = Path(run_dir)
-    names = {entry.name for entry in os.scandir(run_dir)}
+    with os.scandir(run_dir) as entries:
+        names = {entry.name for entry in entries}
     if names <= _BEFORE_A_RUN or _has_checkpoint(run_dir / "checkpoints"):
         return
     why = _not_a_run_config(run_dir / RUN_CONFIG)
     if why:
-        shown = ", ".join(sorted(names - _BEFORE_A_RUN)[:3]) + (", ..." if len(names - _BEFORE_A_RUN) > 3 else "")
+        theirs = sorted(names - _BEFORE_A_RUN)
+        # someone else's names: never a line break or an escape code in the one-line error
+        shown = ", ".join("".join(c if c.isprintable() else "?" for c in n[:60]) for n in theirs[:3])
+        shown += ", ..." if len(theirs) > 3 else ""
         raise ConfigError(f"{run_dir}: holds files ({shown}) but no distlm run ({why}); refused: a run started "
                           f"there would overwrite them (choose another log.name, or an empty folder)")
 
 
 def _has_checkpoint(ckpt_root: Path) -> bool:
-    from distlm.checkpoint.files import MARKER
+    from distlm.checkpoint.files import MARKER  # the package imports torch: only when asked
     try:
         with os.scandir(ckpt_root) as entries:
             return any(e.name.startswith("step_") and e.is_dir(follow_symlinks=False)
@@ -158,8 +163,6 @@ def _has_checkpoint(ckpt_root: Path) -> bool:
 def _not_a_run_config(path: Path) -> str:
     """Why ``path`` is not the config.yaml of a distlm run ("" when it is one): a regular file
     whose top level is a mapping of config sections."""
-    from distlm.bounded_yaml import read_yaml_file
-    from distlm.config import SECTIONS
     try:
         st = os.lstat(path)
     except FileNotFoundError:
