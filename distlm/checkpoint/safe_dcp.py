@@ -516,7 +516,12 @@ def load_weights_only(source, what: str, limit: int = ENTRY_LIMIT):
     before any work), with the allow-list pinned (pinned_weights_only); a refused or
     unreadable one is a one-line CheckpointError naming ``what`` (the file, or the entry)."""
     try:
-        size = source.getbuffer().nbytes if isinstance(source, io.BytesIO) else os.stat(source).st_size
+        if isinstance(source, io.BytesIO):
+            size = source.getbuffer().nbytes
+        elif isinstance(source, (str, os.PathLike)):
+            size = os.stat(source).st_size
+        else:  # another stream: torch reads it as it comes
+            size = 0
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{what}: missing (the checkpoint is incomplete)") from None
     if size > limit:
