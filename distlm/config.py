@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
+from distlm.bounded_yaml import read_yaml_file
 from distlm.errors import ConfigError
 from distlm.layout import AXES, check_layout, token_id_extras
 
@@ -333,7 +334,7 @@ def _suggest(name: str, options) -> str:
 def _preset_path(name: str) -> Path:
     p = Path(name)
     if p.suffix in (".yaml", ".yml"):
-        if not p.is_file():
+        if not p.exists():  # a folder, FIFO or device is named for what it is when read
             raise ConfigError(f"config file not found: {p}")
         return p
     path = PRESET_DIR / f"{name}.yaml"
@@ -343,10 +344,7 @@ def _preset_path(name: str) -> Path:
 
 
 def _read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml_file(path) or {}  # bounded before it is parsed: distlm/bounded_yaml.py
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
@@ -357,7 +355,32 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
 
 
+# The longest string any field takes (a path, a prompt, a name); data.mix lists folders.
+# With these, a run's config.yaml and its checkpoint marker stay far below every limit
+# distlm reads them back with.
+STRING_LIMIT = 4096
+_STRING_LIMITS = {"data.mix": 1 << 16}
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message shows it: at most 60 characters of its repr (a huge
+    integer or string is described, not printed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1 << 64:
+        return f"an integer of {len(str(abs(value))) if value.bit_length() < 40_000 else 'over 12,000'} digits"
+    if isinstance(value, str) and len(value) > 60:
+        if value.strip().lstrip("+-").isdigit():
+            return f"an integer of {len(value.strip().lstrip('+-')):,} digits"
+        return f"{value[:40]!r}... ({len(value):,} characters)"
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
+
+
 def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
+    if isinstance(value, (dict, list, tuple, set)):
+        raise ConfigError(f"{key}: expected a single value, got a {'mapping' if isinstance(value, dict) else 'list'}")
+    if isinstance(value, str) and len(value) > STRING_LIMIT and len(value) > _STRING_LIMITS.get(key, 0):
+        raise ConfigError(f"{key}: {len(value):,} characters, over the {max(STRING_LIMIT, _STRING_LIMITS.get(key, 0)):,} "
+                          f"a config string may hold")
     or_auto = " or auto" if f.metadata.get("auto") else ""
     if or_auto and isinstance(value, str) and value.strip().lower() == AUTO:
         return None
@@ -375,27 +398,37 @@ def _coerce(key: str, value: Any, typ: Any, f: dataclasses.Field) -> Any:
         elif isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
             out = False
         else:
-            raise ConfigError(f"{key}: expected true/false{or_auto}, got {value!r}")
+            raise ConfigError(f"{key}: expected true/false{or_auto}, got {_shown(value)}")
     elif typ is int:
         try:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            big = isinstance(value, str) and len(value.strip().lstrip("+-").lstrip("0")) > 19
+            out = None if big else int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            if big or not _INT64[0] <= out <= _INT64[1]:  # more digits than 64 bits hold: not converted at all
+                shown = value if isinstance(value, str) and len(value) <= 60 else _shown(value)
+                raise ConfigError(f"{key}={shown} is out of range: integers must fit in 64 bits")
+        except ConfigError:
+            raise
         except OverflowError:  # int(float("1e400")): an infinity has no integer
-            raise ConfigError(f"{key}: {value!r} is out of range for an integer") from None
+            raise ConfigError(f"{key}: {_shown(value)} is out of range for an integer") from None
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer{or_auto}, got {value!r}") from None
+            raise ConfigError(f"{key}: expected an integer{or_auto}, got {_shown(value)}") from None
     elif typ is float:
         try:
             out = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        except (TypeError, ValueError, OverflowError):  # float(10**400): too large a float
+            raise ConfigError(f"{key}: expected a number, got {_shown(value)}") from None
     else:
+        if not isinstance(value, (str, int, float)):  # bool too: YAML reads off as false
+            raise ConfigError(f"{key}: expected a string, got {_shown(value)}")
+        if isinstance(value, int) and abs(value) >= 1 << 64:
+            raise ConfigError(f"{key}: expected a string, got {_shown(value)}")
         out = str(value)
     choices = f.metadata.get("choices")
     if choices and out not in choices:
         shown = (*choices, AUTO) if or_auto else choices
-        raise ConfigError(f"{key}: {out!r} is not one of {', '.join(shown)}{_suggest(str(out), shown)}")
+        raise ConfigError(f"{key}: {_shown(out)} is not one of {', '.join(shown)}{_suggest(str(out)[:100], shown)}")
     return out
 
 
@@ -442,7 +475,7 @@ class _Values:
                 self.merge({"model": _read_yaml(_preset_path(values)).get("model", {})}, values)
                 continue
             if not isinstance(values, dict):
-                raise ConfigError(f"{origin}: section '{section}' must be a mapping, got {values!r}")
+                raise ConfigError(f"{origin}: section '{section}' must be a mapping, got {_shown(values)}")
             for key, value in values.items():
                 self.set(section, key, value)
 
@@ -649,7 +682,7 @@ def _validate_numbers(cfg: Config) -> None:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{section}.{f.name} must be a finite number, got {v}")
             if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
-                raise ConfigError(f"{section}.{f.name}={v} is out of range: integers must fit in 64 bits")
+                raise ConfigError(f"{section}.{f.name}={_shown(v)} is out of range: integers must fit in 64 bits")
     for key, most in _UPPER.items():
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)

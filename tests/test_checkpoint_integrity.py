@@ -136,7 +136,7 @@ def test_checkpoint_without_checksums_loads_with_one_note(run, capsys):
     folder = ck(run, 4)
     meta = json.loads((folder / ckpt.MARKER).read_text())
     del meta["files"]
-    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    (folder / ckpt.MARKER).write_text(ckpt.marker_text(meta))
     capsys.readouterr()
     memo = ckpt.VerifiedFiles()  # one note per checkpoint for whoever holds the memo (a run)
     for _ in range(2):
@@ -168,7 +168,7 @@ def test_marker_missing_keys_is_a_one_line_error(run, edit, resume_only):
     folder = ck(run, 6)
     meta = json.loads((folder / ckpt.MARKER).read_text())
     edit(meta)
-    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    (folder / ckpt.MARKER).write_text(ckpt.marker_text(meta))
     model, opt = fresh_model()
     with pytest.raises(CorruptCheckpoint) as e:
         ckpt.load_checkpoint(folder, model, opt)  # a resume: KeyError on meta["trainer"] before
@@ -199,11 +199,11 @@ def test_resume_auto_falls_back_past_a_damaged_newest(run, damage):
     elif damage == "marker-keys":
         meta = json.loads((newest / ckpt.MARKER).read_text())
         del meta["trainer"]
-        (newest / ckpt.MARKER).write_text(json.dumps(meta))
+        (newest / ckpt.MARKER).write_text(ckpt.marker_text(meta))
     else:  # a checkpoint from before checksums whose .metadata is garbage
         meta = json.loads((newest / ckpt.MARKER).read_text())
         del meta["files"]
-        (newest / ckpt.MARKER).write_text(json.dumps(meta))
+        (newest / ckpt.MARKER).write_text(ckpt.marker_text(meta))
         (newest / ".metadata").write_bytes(b"\x80\x04garbage")
     said = []
     assert ckpt.resume_target("auto", run, say=said.append) == ck(run, 4)

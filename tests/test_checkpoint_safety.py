@@ -69,7 +69,7 @@ def rehash(folder: Path) -> None:
         if p.is_file() and rel != ckpt.MARKER:
             files[rel] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
     meta["files"] = files
-    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    (folder / ckpt.MARKER).write_text(ckpt.marker_text(meta))
 
 
 def _s(text: str) -> bytes:  # pickle SHORT_BINUNICODE
@@ -213,7 +213,7 @@ def test_legacy_checkpoint_without_checksums_is_still_guarded(victim, tmp_path):
                                                    f"touch {sentinel}"))
     meta = json.loads((victim / ckpt.MARKER).read_text())
     del meta["files"]
-    (victim / ckpt.MARKER).write_text(json.dumps(meta))
+    (victim / ckpt.MARKER).write_text(ckpt.marker_text(meta))
     with pytest.raises(CheckpointError) as e:
         ckpt.load_checkpoint(victim, fresh_model()[0])
     assert_refused(e.value, victim / ".metadata", "os.system")

@@ -102,7 +102,8 @@ def _reseal(ckpt: Path) -> None:
         if p.is_file() and rel != MARKER:
             files[rel] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
     meta["files"] = files
-    (ckpt / MARKER).write_text(json.dumps(meta))
+    from distlm.checkpoint.verify import marker_text
+    (ckpt / MARKER).write_text(marker_text(meta))
 
 
 def test_rng_file_that_runs_code_is_refused(one_checkpoint, tmp_path):

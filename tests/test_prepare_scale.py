@@ -319,6 +319,28 @@ def _interrupt_after(append, n):
     return wrapped
 
 
+def test_killed_before_its_first_task_ended_resumes_from_the_start(tmp_path, monkeypatch, capsys):
+    """A journal holding its header and no task (a kill in the first second) resumed: it was an
+    IndexError naming no file."""
+    src = write_corpus(tmp_path / "in", 6, 4)
+    monkeypatch.setattr(prep, "TASK_CHARS", 8000)
+    fresh = run([src], tmp_path / "fresh")
+
+    def interrupted(self, record):
+        raise KeyboardInterrupt  # before the first task's line: the journal is its header alone
+    monkeypatch.setattr(prep._Journal, "append", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run([src], tmp_path / "out")
+    monkeypatch.undo()
+    monkeypatch.setattr(prep, "TASK_CHARS", 8000)
+    (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert (kept / prep.JOURNAL).read_text().count("\n") == 1
+    os.replace(kept, tmp_path / f".out.tmp-{2 ** 22 + 11}")  # as after a kill: a pid that does not exist
+    resumed = run([src], tmp_path / "out")
+    assert "resuming after 0 of" in capsys.readouterr().out
+    assert_same(resumed, tmp_path / "out", fresh, tmp_path / "fresh")
+
+
 # ---- --shard I/N and --merge --------------------------------------------------------------------
 def mixed_corpus(root: Path) -> list[Path]:
     """Files of many sizes in nested folders, a JSONL big enough to be cut, and a second input."""

@@ -247,7 +247,7 @@ def test_a_data_file_that_is_not_a_regular_file_is_refused(kind, base, tmp_path)
         if strip_files:
             meta = json.loads((folder / ckpt.MARKER).read_text())
             meta.pop("files", None)
-            (folder / ckpt.MARKER).write_text(json.dumps(meta))
+            (folder / ckpt.MARKER).write_text(ckpt.marker_text(meta))
         with pytest.raises(CorruptCheckpoint) as e:
             ckpt.load_checkpoint(folder, *fresh_model())
         msg = str(e.value)
@@ -312,7 +312,7 @@ def test_a_marker_without_the_covered_config_still_loads_with_a_note(base, tmp_p
     (folder / "run-config.json").unlink()
     meta = json.loads((folder / ckpt.MARKER).read_text())
     del meta["files"]["run-config.json"]
-    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    (folder / ckpt.MARKER).write_text(ckpt.marker_text(meta))
     memo = ckpt.VerifiedFiles()
     ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)
     ckpt.load_checkpoint(folder, *fresh_model(), memo=memo)

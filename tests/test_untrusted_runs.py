@@ -88,6 +88,7 @@ def test_a_plain_run_folder_still_locks(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_0000002" / "rng").mkdir(parents=True)
     (run / "metrics.csv").write_text("step\n")
+    (run / "config.yaml").write_text("model:\n  n_layer: 2\n")
     lock = RunLock(run).acquire()
     assert (run / ".lock").read_text().strip() == str(os.getpid())
     lock.release()

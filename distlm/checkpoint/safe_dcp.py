@@ -21,9 +21,13 @@ and, for a refused global, the global.
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
 import re
+import threading
+import warnings
 from pathlib import Path, PosixPath
 
 import torch
@@ -213,21 +217,48 @@ _MEMORY_FORMATS = {dcp_md._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT.value: to
                    dcp_md._MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT.value: torch.preserve_format}
 _MD = "torch.distributed.checkpoint.metadata"
 _MAX_DIM = 1 << 62
+_MAX_NDIM = 64
+# The largest .metadata read: a 7B model with AdamW on 64 ranks writes a few MB.
+METADATA_LIMIT = 256 << 20
+# Visits of the rebuilt tree per byte of the file, beyond a floor: a legitimate file's
+# objects are each pickled once or shared as small leaves (a name, a torch.Size); model +
+# AdamW checkpoints measure 0.10 visits per byte, five times below this bound.
+_BYTES_PER_VISIT, _VISITS_FLOOR = 2, 100_000
+# Byte entries (optimizer param_groups) and RNG files: kilobytes in any checkpoint.
+ENTRY_LIMIT = 64 << 20
 
 
 class _Rebuild:
     """The plain tree the unpickler made -> a fresh dcp Metadata, every value checked for
     its type and range. Each object DCP gets is built here, by its constructor."""
 
-    def __init__(self, source: str):
-        self.source = source
+    def __init__(self, source: str, budget: int = 1 << 62):
+        self.source, self.budget = source, budget
+        self.records: set[int] = set()  # the "new" records rebuilt so far (they stay alive in the tree)
+
+    def tick(self) -> None:
+        """One value visited. The unpickler's memo lets a small file name one object many
+        times (a chunk list shared by every entry, nested): a legitimate file's tree is
+        about as large as its bytes, so past the budget the file is refused, fast."""
+        self.budget -= 1
+        if self.budget < 0:
+            raise CorruptCheckpoint(f"{self.source}: not DCP checkpoint metadata: its objects, each counted as "
+                                    f"often as it is referenced, are far more than its bytes describe (refused "
+                                    f"before rebuilding them)")
 
     def fail(self, where: str, what: str):
         raise CorruptCheckpoint(f"{self.source}: not DCP checkpoint metadata: {one_line(where, 120)} {what}")
 
     def made(self, x, where: str, module: str, name: str, by: str) -> _Made:
+        self.tick()
         if not (isinstance(x, _Made) and (x.cls.module, x.cls.name) == (module, name) and x.by == by):
             self.fail(where, f"is {_describe(x)}, not a {name}")
+        if by == "new":
+            # DCP pickles each of its records once; pickle's memo lets a crafted file name one
+            # (a tensor entry of 30,000 chunks) 10,000 times in a few bytes each.
+            if id(x) in self.records:
+                self.fail(where, f"is a {name} the file already named elsewhere (DCP writes each once)")
+            self.records.add(id(x))
         return x
 
     def fields(self, x, where: str, module: str, name: str, allowed: tuple, required: tuple = ()) -> dict:
@@ -252,6 +283,7 @@ class _Rebuild:
         return state
 
     def text(self, x, where: str, optional: bool = False):
+        self.tick()
         if optional and x is None:
             return None
         if type(x) is not str:
@@ -259,6 +291,7 @@ class _Rebuild:
         return str(x)
 
     def count(self, x, where: str, optional: bool = False):
+        self.tick()
         if optional and x is None:
             return None
         if type(x) is not int or not 0 <= x < _MAX_DIM:
@@ -276,6 +309,8 @@ class _Rebuild:
         x = self.made(x, where, "torch", "Size", "call")
         if len(x.args) != 1 or type(x.args[0]) not in (tuple, list):
             self.fail(where, "is not a torch.Size of a tuple")
+        if len(x.args[0]) > _MAX_NDIM:
+            self.fail(where, f"has {len(x.args[0])} dimensions (a tensor has at most {_MAX_NDIM})")
         return torch.Size([self.count(v, f"{where}[{i}]") for i, v in enumerate(x.args[0])])
 
     def metadata(self, x) -> dcp_md.Metadata:
@@ -351,7 +386,11 @@ class _Rebuild:
             return None
         if type(x) is not dict:
             self.fail("storage_data", "is not a dict")
-        return {self.index(k): self.storage_info(v, f"storage of {self.index(k).fqn}") for k, v in x.items()}
+        out = {}
+        for k, v in x.items():
+            index = self.index(k)
+            out[index] = self.storage_info(v, f"storage of {index.fqn}")
+        return out
 
     def index(self, x) -> dcp_md.MetadataIndex:
         s = self.fields(x, "a storage_data key", _MD, "MetadataIndex", ("fqn", "offset", "index"), ("fqn",))
@@ -405,7 +444,11 @@ def read_dcp_metadata(path: Path, source: str | None = None) -> dcp_md.Metadata:
     source = source or str(path)
     try:
         with open_regular(path, source) as fh:
-            tree = _MetadataUnpickler(fh, source).load()
+            size = os.fstat(fh.fileno()).st_size
+            if size > METADATA_LIMIT:
+                raise CorruptCheckpoint(f"{source}: {size:,} bytes, over the {METADATA_LIMIT >> 20} MB limit of "
+                                        f"checkpoint metadata (refused before reading)")
+            tree = _MetadataUnpickler(io.BytesIO(fh.read(METADATA_LIMIT + 1)), source).load()
     except CheckpointError:
         raise
     except FileNotFoundError:
@@ -418,7 +461,7 @@ def read_dcp_metadata(path: Path, source: str | None = None) -> dcp_md.Metadata:
     if not (isinstance(tree, _Made) and tree.cls.name == "Metadata"):
         raise CorruptCheckpoint(f"{source}: not DCP checkpoint metadata (holds {_describe(tree)})")
     try:
-        md = _Rebuild(source).metadata(tree)
+        md = _Rebuild(source, _VISITS_FLOOR + size // _BYTES_PER_VISIT).metadata(tree)
     except RecursionError:
         raise CorruptCheckpoint(f"{source}: unreadable checkpoint metadata (RecursionError)") from None
     for rel in storage_files(md):
@@ -432,15 +475,61 @@ def weights_only_reason(e: BaseException) -> str:
     m = re.search(r"GLOBAL (\S+)", text)
     if m:
         return f"it names the global {one_line(m.group(1), 100)}, which a checkpoint never holds"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("Check the documentation")]
+    if "torch.distributed.tensor" in text:  # torch's words for a DTensor, DeviceMesh or placement refused
+        return ("it holds a torch.distributed.tensor object (a DTensor, DeviceMesh or placement such as Shard), "
+                "which a checkpoint entry never holds")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("Check the documentation")
+             and "In PyTorch 2.6" not in ln]
     return one_line(lines[-1] if lines else e.__class__.__name__)
 
 
-def load_weights_only(source, what: str):
-    """torch.load(weights_only=True) of a file or stream; a refused or unreadable one is a
-    one-line CheckpointError naming ``what`` (the file, or the entry)."""
+# What torch.load(weights_only=True) may construct beyond torch's own fixed set (tensors,
+# storages, dtypes, plain containers and numbers): nothing. torch's list of user-marked
+# globals grows as modules are imported (torch.distributed.tensor adds DTensor and
+# DeviceMesh, whose constructors reach process groups), so it is swapped for this one,
+# distlm's own, for the length of each load.
+WEIGHTS_ONLY_GLOBALS: tuple = ()
+_PIN = threading.RLock()
+
+
+@contextlib.contextmanager
+def pinned_weights_only():
+    """torch.load(weights_only=True) within accepts exactly torch's fixed set and
+    WEIGHTS_ONLY_GLOBALS, whatever has been imported; the process's list is put back after."""
+    from torch import serialization
+    with _PIN, warnings.catch_warnings():
+        # A crafted file's pickle protocol draws torch's multi-line warning before the refusal,
+        # which is one line of its own.
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        saved = serialization.get_safe_globals()
+        serialization.clear_safe_globals()
+        serialization.add_safe_globals(list(WEIGHTS_ONLY_GLOBALS))
+        try:
+            yield
+        finally:
+            serialization.clear_safe_globals()
+            serialization.add_safe_globals(saved)
+
+
+def load_weights_only(source, what: str, limit: int = ENTRY_LIMIT):
+    """torch.load(weights_only=True) of a file or stream of at most ``limit`` bytes (checked
+    before any work), with the allow-list pinned (pinned_weights_only); a refused or
+    unreadable one is a one-line CheckpointError naming ``what`` (the file, or the entry)."""
     try:
-        return torch.load(source, weights_only=True, map_location="cpu")
+        if isinstance(source, io.BytesIO):
+            size = source.getbuffer().nbytes
+        elif isinstance(source, (str, os.PathLike)):
+            size = os.stat(source).st_size
+        else:  # another stream: torch reads it as it comes
+            size = 0
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{what}: missing (the checkpoint is incomplete)") from None
+    if size > limit:
+        raise CorruptCheckpoint(f"{what}: {size:,} bytes, over the {limit >> 20} MB distlm reads for it "
+                                f"(refused before reading)")
+    try:
+        with pinned_weights_only():
+            return torch.load(source, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{what}: missing (the checkpoint is incomplete)") from None
     except pickle.UnpicklingError as e:

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import sys
 import threading
 import warnings
@@ -43,11 +44,12 @@ from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, Corr
                                       NonFiniteCheckpoint)
 from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
 from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
-from distlm.checkpoint.safe_dcp import load_weights_only, one_line, read_dcp_metadata, safe_load, underlying_errors
-from distlm.checkpoint.verify import (VerifiedFiles, pruned_meanwhile, read_meta, verify_checkpoint,  # noqa: F401
-                                     verify_files)
+from distlm.checkpoint.safe_dcp import (ENTRY_LIMIT, load_weights_only, one_line, read_dcp_metadata, safe_load,
+                                       underlying_errors)
+from distlm.checkpoint.verify import (VerifiedFiles, marker_text, pruned_meanwhile, read_meta,  # noqa: F401
+                                     verify_checkpoint, verify_files)
 from distlm.host import local_ranks, usable_cores
-from distlm.io import atomic_write_text
+from distlm.io import atomic_write_text, write_new
 from distlm.local_shard import local_shard
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
@@ -137,7 +139,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
                 if "config" in meta:
-                    (tmp / CONFIG).write_text(json.dumps(meta["config"], indent=1))
+                    write_new(tmp / CONFIG, json.dumps(meta["config"], indent=1).encode())
             except OSError as e:
                 error = e
         _agree(error, f"cannot write checkpoint {final}")
@@ -147,10 +149,14 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         rng_error = None
         try:
             (tmp / "rng").mkdir(exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(tmp / "rng").st_mode):  # mkdir's exist_ok follows a link
+                raise CheckpointSaveError(f"{tmp / 'rng'}: is not a folder of this save (a link?)", "not a folder")
             rng = {"cpu": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, tmp / "rng" / f"rank_{_rank():05d}.pt")
+            buf = io.BytesIO()
+            torch.save(rng, buf)
+            write_new(tmp / "rng" / f"rank_{_rank():05d}.pt", buf.getvalue())
         except Exception as e:
             rng_error = e
         if async_save:
@@ -284,12 +290,12 @@ def _publish(ckpt_root: Path, tmp: Path, final: Path, meta: dict, memo: Optional
                 kept["files"] = old["files"]
             if CONFIG in old.get("files", {}):
                 kept["config"] = old["config"]  # the config its kept config.json holds
-            atomic_write_text(final / MARKER, json.dumps(kept, indent=1))
+            atomic_write_text(final / MARKER, marker_text(kept))
             shutil.rmtree(tmp, ignore_errors=True)
             _fsync_dir(ckpt_root)
             _remember(memo, final, kept)
             return
-    atomic_write_text(tmp / MARKER, json.dumps(meta, indent=1))
+    atomic_write_text(tmp / MARKER, marker_text(meta))
     if final.exists():  # a torn or damaged folder of this step: replace it
         _remove_checkpoint(final)
     os.replace(tmp, final)
@@ -335,7 +341,7 @@ def update_meta(ckpt: Path, memo: Optional[VerifiedFiles] = None, **fields) -> d
     meta = read_meta(ckpt)
     was_verified = memo is not None and "files" in meta and memo.holds(ckpt, meta["files"])
     meta.update(fields)
-    atomic_write_text(ckpt / MARKER, json.dumps(meta, indent=1))
+    atomic_write_text(ckpt / MARKER, marker_text(meta))
     if was_verified:
         memo.remember(ckpt, meta["files"])
     return meta
@@ -461,7 +467,7 @@ def load_model_state(ckpt: Path, model_sd: dict, verify: bool = True, memo: Opti
 
 def _read_rng(rng_file: Path) -> dict:
     with open_regular(rng_file) as fh:
-        rng = load_weights_only(io.BytesIO(fh.read()), str(rng_file))
+        rng = load_weights_only(io.BytesIO(fh.read(ENTRY_LIMIT + 1)), str(rng_file))
     if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and rng["cpu"].dtype == torch.uint8
             and isinstance(rng.get("cuda", rng["cpu"]), torch.Tensor)):
         raise CorruptCheckpoint(f"{rng_file}: not an RNG state")

@@ -110,6 +110,36 @@ def _marker_problem(meta, resume: bool) -> Optional[str]:
 
 
 _MARKER_LIMIT = 64 << 20  # a marker lists a few files per rank: kilobytes
+# The marker's own checksum: sha256 of every other field (the step, the trainer state a
+# resume restores: its step, the loader's step and order, tokens seen, ...; the config,
+# the files' checksums), so an edit of one character of any of them is refused. It guards
+# against a damaged or hand-edited marker, as the file checksums do, not against someone
+# who rewrites the checkpoint on purpose (nothing without a key could).
+SEAL = "marker_sha256"
+
+
+def _canonical(meta: dict) -> bytes:
+    return json.dumps({k: v for k, v in meta.items() if k != SEAL}, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode()
+
+
+def marker_text(meta: dict) -> str:
+    """The marker file's text: ``meta`` with its seal. Sealed as it will be read back (through
+    JSON: tuples become lists, keys strings)."""
+    plain = json.loads(json.dumps({k: v for k, v in meta.items() if k != SEAL}))
+    plain[SEAL] = hashlib.new(HASH, _canonical(plain)).hexdigest()
+    return json.dumps(plain, indent=1)
+
+
+def _seal_problem(meta: dict) -> Optional[str]:
+    """Why the marker's fields do not match its seal, or None (also for a marker saved before
+    markers were sealed: it has none)."""
+    if SEAL not in meta:
+        return None
+    if meta[SEAL] != hashlib.new(HASH, _canonical(meta)).hexdigest():
+        return (f"its fields do not match its {SEAL} (the step, trainer state, config or file checksums were "
+                f"changed after the save)")
+    return None
 
 
 def read_meta(ckpt: Path, resume: bool = False) -> dict:
@@ -134,6 +164,9 @@ def read_meta(ckpt: Path, resume: bool = False) -> dict:
         raise CorruptCheckpoint(f"{Path(ckpt) / MARKER}: {problem} (not written by distlm, or edited)")
     if CONFIG in (meta.get("files") or {}):
         _check_config(Path(ckpt), meta["config"], meta["files"][CONFIG][HASH])
+    problem = _seal_problem(meta)
+    if problem:
+        raise CorruptCheckpoint(f"{Path(ckpt) / MARKER}: {problem}; refused")
     return meta
 
 

@@ -133,10 +133,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         print_error(str(e))
         return status
     except KeyboardInterrupt:
+        _quiet_interrupts()
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        _shutdown()
+        try:
+            _shutdown()
+        except KeyboardInterrupt:  # Ctrl-C again while the process group closes
+            _quiet_interrupts()
+
+
+def _quiet_interrupts() -> None:
+    """After an interrupt, a further Ctrl-C (while the process group closes, a background save
+    thread is joined or the interpreter exits) ends the process at once, as the default
+    SIGINT action does, instead of a KeyboardInterrupt traceback from wherever it lands."""
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # Errors of the heavy modules, with their exit status: a CheckpointError is the user's (a

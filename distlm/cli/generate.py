@@ -53,6 +53,8 @@ def generate(
     if len(modes) != 1:
         raise ConfigError("give one of --prompt TEXT, --prompts-file FILE --out F.jsonl, or --interactive"
                           + (f" (got {' and '.join(modes)})" if modes else ""))
+    if prompt is not None and not _is_utf8(prompt):
+        raise ConfigError("--prompt: not valid UTF-8 text (the shell passed bytes that decode to no characters)")
     prompts = _read_prompts(prompts_file, out) if prompts_file is not None else None
     if prompts is not None and seed is not None and seed + len(prompts) - 1 > MAX_SEED:
         raise ConfigError(f"--seed {seed}: prompt i of --prompts-file samples with seed + i, and the last "
@@ -76,11 +78,27 @@ def generate(
             except (EOFError, KeyboardInterrupt):
                 print()
                 return 0
+            except UnicodeDecodeError:
+                print("that line is not valid UTF-8 text; type another prompt", file=sys.stderr)
+                continue
             if not line:
                 return 0
+            if not _is_utf8(line):
+                print("that line is not valid UTF-8 text; type another prompt", file=sys.stderr)
+                continue
             _print_samples(model, tok, sc, line, num_samples, stream=True)
     _print_samples(model, tok, sc, prompt, num_samples, stream=not no_stream)
     return 0
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a command-line string holding bytes that were not UTF-8 (Python keeps them
+    as lone surrogates, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_limits(num_samples: int, max_new_tokens: int, seed: Optional[int]) -> None:
@@ -92,13 +110,24 @@ def _check_limits(num_samples: int, max_new_tokens: int, seed: Optional[int]) ->
         raise ConfigError(f"--seed must be between {MIN_SEED} and {MAX_SEED} (a 64-bit seed), got {seed}")
 
 
+PROMPTS_FILE_LIMIT = 64 << 20
+
+
 def _read_prompts(path: str, out: Optional[str]) -> list[str]:
+    from distlm.data import read_regular_text
     src = Path(path)
-    if not src.is_file():
-        raise ConfigError(f"--prompts-file {src}: no such file")
     if not out:
         raise ConfigError("--prompts-file needs --out F.jsonl")
-    prompts = [line for line in src.read_text().splitlines() if line.strip()]
+    dest = Path(out)
+    if not dest.parent.is_dir():  # found before any sampling, not after it
+        raise ConfigError(f"--out {dest}: no folder {dest.parent} to write it in")
+    if dest.is_dir():
+        raise ConfigError(f"--out {dest}: is a folder; name the JSONL file to write")
+    try:
+        text = read_regular_text(src, PROMPTS_FILE_LIMIT, "the prompts file", ConfigError)
+    except FileNotFoundError:
+        raise ConfigError(f"--prompts-file {src}: no such file") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ConfigError(f"--prompts-file {src}: no prompts in it")
     return prompts

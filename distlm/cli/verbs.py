@@ -193,6 +193,13 @@ def evaluate(
         # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
         for x, y, weight in tqdm(val.weighted(), total=len(val), desc="eval", unit="batch", leave=False,
                                  disable=None):
+            # The shards are not re-hashed here: an id past the model's vocabulary would be an
+            # IndexError in the embedding (a device assert on CUDA), so each batch is checked.
+            top, low = int(torch.maximum(x.max(), y.max())), int(torch.minimum(x.min(), y.min()))
+            if top >= cfg.model.vocab_size or low < 0:
+                from distlm.data import DataError
+                raise DataError(f"{data_dir}: the '{split}' split holds token id {low if low < 0 else top}, outside the model's "
+                                f"vocabulary of {cfg.model.vocab_size} (damaged or edited shards)")
             total += float(lm_loss(loaded.model(x.to(dev)), y.to(dev))) * weight
             rows += weight
     if not rows:

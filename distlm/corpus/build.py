@@ -44,8 +44,8 @@ def prepare_text(inputs: list[str], out_dir: Path, tmp: Path, options: dict, uni
     start = 0
     if resumed is not None:
         start = build.restore(resumed[0])
-        print(f"{out_dir}: resuming after {start} of {len(units)} tasks "
-              f"({resumed[0][-1]['inputs_done']} of {n_files} input files done)")
+        done = resumed[0][-1]["inputs_done"] if resumed[0] else 0  # killed before its first task ended
+        print(f"{out_dir}: resuming after {start} of {len(units)} tasks ({done} of {n_files} input files done)")
     journal = Journal(tmp / JOURNAL, header, None if resumed is None else resumed[1])
     try:
         (tmp / UNITS).mkdir(exist_ok=True)

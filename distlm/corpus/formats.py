@@ -11,6 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import lzma
+import os
+import stat
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from distlm.data import DataError, read_json
+from distlm.data import DataError, file_kind, file_name_problem, read_json
 
 BINARY_PROBE = 8192  # a NUL byte in the first 8 KB marks a file as binary
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2")
@@ -65,10 +67,18 @@ def hf_arrow_files(folder: Path) -> list[Path]:
     if not isinstance(listed, list) or not all(isinstance(d, dict) and isinstance(d.get("filename"), str)
                                                for d in listed):
         raise DataError(f"{state}: '_data_files' is not a list of {{\"filename\": ...}} entries")
+    for i, d in enumerate(listed):  # joined to the folder: never a path out of it
+        problem = file_name_problem(d["filename"], f"_data_files[{i}].filename")
+        if problem:
+            raise DataError(f"{state}: {problem}; refused")
     paths = [folder / d["filename"] for d in listed] or sorted(folder.glob("*.arrow"))
     for path in paths:
-        if not path.is_file():
-            raise DataError(f"{path}: listed in {state} but missing")
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise DataError(f"{path}: listed in {state} but missing") from None
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path}: is {file_kind(mode)}, not an Arrow file (listed in {state})")
     return paths
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from distlm.data import DataError
+from distlm.data import DataError, read_regular_text
 
 GPT2_DIR = Path(__file__).resolve().parent.parent / "assets" / "gpt2"
 EOT = "<|endoftext|>"
@@ -241,11 +241,9 @@ def load_tokenizer(name: str, data_dir: Path | str | None = None) -> Tokenizer:
         raise DataError(f"tokenizer {name!r} is trained by prepare: pass the data folder holding its tokenizer.json")
     path = Path(data_dir) / "tokenizer.json"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path, TOKENIZER_MAX_BYTES, "the tokenizer")
     except FileNotFoundError:
         raise DataError(f"{path}: missing; a {name} tokenizer is written there by `distlm prepare`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
     tok = BPETokenizer(name, text, str(path))
     if tok.vocab_size > n:
         raise DataError(f"{path}: has {tok.vocab_size} tokens, more than {name} allows")
@@ -253,6 +251,7 @@ def load_tokenizer(name: str, data_dir: Path | str | None = None) -> Tokenizer:
 
 
 RECORD_MAX_BYTES = 1 << 20  # a tokenizer record is a few lines; anything bigger is not one
+TOKENIZER_MAX_BYTES = 256 << 20  # a BPE's tokenizer.json: a few MB at the largest vocabulary
 
 
 def read_tokenizer_record(path: Path) -> dict:
@@ -302,6 +301,11 @@ def load_recorded_tokenizer(record, directory: Path | str, source) -> Tokenizer:
     return tok
 
 
+# The longest piece the tokenizers are given: tiktoken aborted the process (a Rust panic,
+# exit 134) on a single multi-GB "word"; 64 Mi characters encode in under a minute.
+HARD_CUT = 1 << 26
+
+
 def split_for_encoding(text: str, size: int) -> Iterator[str]:
     """Cut ``text`` into pieces of about ``size`` chars that tokenize exactly as the whole.
 
@@ -315,8 +319,13 @@ def split_for_encoding(text: str, size: int) -> Iterator[str]:
     while n - start > size:
         lo, hi = start + max(1, size // 2), start + size
         cut = _safe_cut(text, "\n", lo, hi) or _safe_cut(text, " ", lo, hi) or _next_safe_cut(text, hi)
-        if not cut:
-            break
+        if not cut or cut - start > HARD_CUT:
+            # No safe place within HARD_CUT characters (one "word" of megabytes, from a small
+            # compressed file): cut there anyway. Its tokens differ from the whole's only at the
+            # cut, and tiktoken is never handed a piece it aborts the process on.
+            if n - start <= HARD_CUT:
+                break
+            cut = start + HARD_CUT
         yield text[start:cut]
         start = cut
     if start < n:

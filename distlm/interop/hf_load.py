@@ -47,18 +47,54 @@ _DEFAULTS = {
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
+CONFIG_MAX_BYTES = 16 << 20  # an HF config.json is a few KB
+
+
 def _read_config(path: Path) -> tuple[str, dict]:
+    from distlm.data import read_regular_text
     f = Path(path) / "config.json"
     try:
-        raw = json.loads(f.read_text())
+        raw = json.loads(read_regular_text(f, CONFIG_MAX_BYTES, "the model config", InteropError))
     except FileNotFoundError:
         raise InteropError(f"{f}: missing; init.from_hf needs a local Hugging Face model folder") from None
-    except (OSError, ValueError) as e:
-        raise InteropError(f"{f}: cannot read ({e})") from None
+    except InteropError:
+        raise
+    except ValueError as e:
+        raise InteropError(f"{f}: not JSON ({str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise InteropError(f"{f}: holds a JSON {type(raw).__name__}, not an object")
     kind = raw.get("model_type")
     if kind not in _DEFAULTS:
-        raise InteropError(f"{f}: model_type={kind!r} is not supported (gpt2 or llama)")
-    return kind, {**_DEFAULTS[kind], **{k: v for k, v in raw.items() if v is not None or k not in _DEFAULTS[kind]}}
+        raise InteropError(f"{f}: model_type={str(kind)[:40]!r} is not supported (gpt2 or llama)")
+    c = {**_DEFAULTS[kind], **{k: v for k, v in raw.items() if v is not None or k not in _DEFAULTS[kind]}}
+    _check_types(f, kind, c)
+    return kind, c
+
+
+def _check_types(f: Path, kind: str, c: dict) -> None:
+    """Each field distlm reads has the JSON type of its default (a count a positive integer of
+    sane size, a rate a finite number): a wrong one is a line naming the field, not a traceback
+    from the model's constructor."""
+    def bad(field, want):
+        raise InteropError(f"{f}: {field}={json.dumps(c[field])[:40]} is not {want}")
+    for field, default in _DEFAULTS[kind].items():
+        v = c.get(field)
+        if v is None and default is None:
+            continue
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                bad(field, "true or false")
+        elif isinstance(default, int) or field in ("num_key_value_heads", "head_dim", "n_inner"):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 31:
+                bad(field, "a positive integer")
+        elif isinstance(default, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(field, "a finite number")
+        elif isinstance(default, str) and not isinstance(v, str):
+            bad(field, "a string")
+    for field in ("rope_parameters", "rope_scaling"):
+        if c.get(field) is not None and not isinstance(c[field], dict):
+            bad(field, "an object")
 
 
 def model_config_from_hf(path) -> dict:
@@ -207,11 +243,12 @@ def check_safetensors(f: Path) -> None:
 def _read_bin(f: Path) -> dict:
     """A pytorch_model.bin through torch.load(weights_only=True): a pickle that names any
     global beyond tensors is refused, nothing is called. Zip files are mapped, not read."""
-    from distlm.checkpoint.safe_dcp import weights_only_reason
+    from distlm.checkpoint.safe_dcp import pinned_weights_only, weights_only_reason
     _regular(f, "the weights file")
     try:
         import zipfile
-        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+        with pinned_weights_only():  # what it may construct: distlm's list, whatever is imported
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
     except Exception as e:  # UnpicklingError for a refused global; anything for a damaged file
         raise InteropError(f"{f}: refused to load ({weights_only_reason(e)}); "
                            f"a model.safetensors is the safe format") from None

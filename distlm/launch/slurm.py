@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from distlm.io import atomic_write_text
+
 # Variables worth keeping with a run: what ran where, and which attempt this was.
 SLURM_META_KEYS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES",
                    "SLURM_JOB_PARTITION", "SLURM_JOB_ACCOUNT", "SLURM_JOB_QOS", "SLURM_RESTART_COUNT",
@@ -273,7 +275,7 @@ def write_slurm_meta(run_dir: Path, env: Mapping[str, str]) -> Path:
     folder = Path(run_dir) / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"job_{env.get('SLURM_JOB_ID')}_attempt_{env.get('SLURM_RESTART_COUNT', '0')}.json"
-    path.write_text(json.dumps(meta, indent=1))
+    atomic_write_text(path, json.dumps(meta, indent=1))
     return path
 
 

@@ -1,11 +1,10 @@
 """Loss curves drawn from metrics.csv (``distlm plot RUN...``)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from distlm.data import DataError
-from distlm.io import read_csv
+from distlm.io import atomic_file, read_csv
 
 # Below this many points a curve also gets markers: a short run logs a handful of rows,
 # and one point alone draws no line at all.
@@ -13,13 +12,15 @@ FEW_POINTS = 30
 
 
 def save_figure(fig, out: Path, **kw) -> Path:
-    """Write a matplotlib figure atomically (a temporary file, then a rename) and close it."""
+    """Write a matplotlib figure atomically (a new temporary file, then a rename: distlm/io.py)
+    and close it. The format is the name's suffix (png without one)."""
     import matplotlib.pyplot as plt
     out = Path(out)
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, **kw)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        with atomic_file(out, "wb") as f:
+            fig.savefig(f, format=kw.pop("format", out.suffix[1:] or "png"), **kw)
+    finally:
+        plt.close(fig)
     return out
 
 

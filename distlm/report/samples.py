@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from distlm.io import atomic_append
 from distlm.model.generate import SamplingConfig, generate_text
 
 MAX_NEW_TOKENS = 48
@@ -47,13 +48,13 @@ def append_samples(path: Path, step: int, header: str, prompts: list[str], texts
     """Append one block to a run's samples.txt, in the layout the training logger writes
     (RunLogger.samples): a ``=== step N === header`` line, then each sample under its own
     ``--- sample i (seed i) ---`` line, prompt and continuation as generated. Sample i has
-    prompt i (the demo's three prompts) or, given one prompt, all share it."""
+    prompt i (the demo's three prompts) or, given one prompt, all share it. The file is
+    copied with the block into a new one that replaces it: nothing is written through a link."""
     if len(prompts) == 1:
         prompts = prompts * len(texts)
     block = [f"=== step {step} === {header}\n"]
     block += [f"--- sample {i} (seed {i}) ---\n{p}{t}\n" for i, (p, t) in enumerate(zip(prompts, texts))]
-    with open(path, "a") as f:
-        f.write("".join(block) + "\n")
+    atomic_append(path, "".join(block) + "\n")
 
 
 def console_block(step: int, prompt: str, texts: list[str]) -> str:

@@ -4,25 +4,31 @@ text samples: RUN/samples.txt and TensorBoard's text tab.
 Only the main rank writes. metrics.csv has one row per logged step: values logged again
 for the same step (the final evaluation after the last step's row) are merged into its
 row, the file rewritten whole (atomically, so a reader sees the old file or the new one).
-On resume, CSV rows and samples past the resumed step are dropped so the files show one
-run, not the crashed attempt and its repeat.
+Nothing is written into a file at these names: metrics.csv is appended to only through the
+descriptor of the new file distlm made for it (distlm/io.py: replace_and_keep), and so is
+samples.txt, made new with the kept blocks at the first samples of this process; a link
+placed at either name is replaced, never written through. On resume, CSV rows and samples
+past the resumed step are dropped so the files show one run, not the crashed attempt and
+its repeat.
 """
 from __future__ import annotations
 
 import csv
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from distlm.io import atomic_write_text, read_csv, trim_csv, write_csv
+from distlm.io import atomic_write_text, csv_text, read_csv, read_own, replace_and_keep
 
 # wall_time (Unix seconds) lets a benchmark time each row from its own process start.
 COLUMNS = ["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb",
            "val_loss", "val_ppl", "elapsed_s", "wall_time"]
 SAMPLES_FILE = "samples.txt"
 SAMPLES_HEADER = "=== step "  # each evaluation's block in samples.txt starts with this
+SAMPLES_LIMIT = 256 << 20  # samples.txt is read whole on resume: a bound on that read
 
 
 def log_interval(every: int, max_steps: int) -> int:
@@ -40,15 +46,13 @@ class RunLogger:
         self.elapsed_offset = 0.0
         self.samples_path = Path(run_dir) / SAMPLES_FILE
         self._last: dict | None = None  # the newest row written, for merging
+        self._kept_samples = ""  # samples.txt's blocks up to the resumed step, until the first new block
+        self._samples = None  # samples.txt's own descriptor, from the first new block on
         if not enabled:
             return
-        self._truncate(resume_step)
+        rows = self._truncate(resume_step)
         self._trim_samples(resume_step)
-        new = not self.csv_path.exists()
-        self._file = open(self.csv_path, "a", newline="")
-        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
-        if new:
-            self._csv.writeheader()
+        self._reopen(rows)
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step or None)
@@ -61,26 +65,50 @@ class RunLogger:
                 self.wandb = wandb.init(project=cfg.log.wandb_project, name=Path(run_dir).name,
                                         config=cfg.to_dict(), dir=str(run_dir), resume="allow")
 
-    def _truncate(self, step: int) -> None:
-        rows = trim_csv(self.csv_path, COLUMNS, keep=lambda r: int(r["step"]) <= step)
+    def _reopen(self, rows: list[dict]) -> None:
+        """metrics.csv as a new file holding ``rows``, kept open for the rows to come."""
+        self._file = replace_and_keep(self.csv_path, csv_text(COLUMNS, rows))
+        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
+
+    def _truncate(self, step: int) -> list[dict]:
+        """The rows of metrics.csv up to ``step``. A row whose step or elapsed time is not a
+        number (a damaged file) is dropped, with one warning: the curves lose a point, the
+        run is not refused."""
+        rows, bad = [], 0
+        for r in read_csv(self.csv_path):
+            try:
+                n = int(r.get("step") or "")
+                elapsed = float(r["elapsed_s"]) if r.get("elapsed_s") else None
+            except (TypeError, ValueError):
+                bad += 1
+                continue
+            if n <= step and (elapsed is None or math.isfinite(elapsed)):
+                rows.append(r)
+        if bad:
+            print(f"warning: {self.csv_path}: {bad} damaged row(s) dropped (a step or elapsed time that is not "
+                  f"a number)", file=sys.stderr, flush=True)
         # Elapsed time counts across resumes: a resumed run continues from where its rows end.
         times = [float(r["elapsed_s"]) for r in rows if r.get("elapsed_s")]
         self.elapsed_offset = max(times, default=0.0)
         self._last = dict(rows[-1]) if rows else None
+        return rows
 
     def _trim_samples(self, step: int) -> None:
         """Drop the samples.txt blocks of steps past ``step`` (a crashed attempt's)."""
-        if not self.samples_path.is_file():
+        old = read_own(self.samples_path, SAMPLES_LIMIT).decode("utf-8", errors="replace")
+        self._kept_samples = old
+        if not old:
             return
         blocks, keep = [], True
-        for line in self.samples_path.read_text().splitlines(keepends=True):
+        for line in old.splitlines(keepends=True):
             if line.startswith(SAMPLES_HEADER):
                 n = line[len(SAMPLES_HEADER):].split(" ", 1)[0]
                 keep = not n.isdigit() or int(n) <= step
             if keep:
                 blocks.append(line)
         text = "".join(blocks)
-        if text != self.samples_path.read_text():
+        self._kept_samples = text
+        if text != old:
             atomic_write_text(self.samples_path, text)
 
     def log(self, step: int, values: dict) -> None:
@@ -110,11 +138,11 @@ class RunLogger:
         """Values for the step of the newest row (the final evaluation): one row per step,
         so they go into that row, and the file is rewritten whole, atomically."""
         merged = {**self._last, **{k: v for k, v in row.items() if v != ""}}
+        self._file.flush()
+        self._file.seek(0)
+        rows = list(csv.DictReader(self._file))
         self._file.close()
-        rows = read_csv(self.csv_path)
-        write_csv(self.csv_path, COLUMNS, rows[:-1] + [merged])
-        self._file = open(self.csv_path, "a", newline="")
-        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._reopen(rows[:-1] + [merged])
         self._last = merged
 
     def samples(self, step: int, header: str, prompt: str, texts: list[str]) -> None:
@@ -124,8 +152,11 @@ class RunLogger:
             return
         block = [f"{SAMPLES_HEADER}{step} === {header}\n"]
         block += [f"--- sample {i} (seed {i}) ---\n{prompt}{t}\n" for i, t in enumerate(texts)]
-        with open(self.samples_path, "a") as f:
-            f.write("".join(block) + "\n")
+        if self._samples is None:
+            self._samples = replace_and_keep(self.samples_path, self._kept_samples, newline=None)
+            self._kept_samples = ""
+        self._samples.write("".join(block) + "\n")
+        self._samples.flush()
         if self.tb is not None:
             md = [f"step {step}: {header}"]
             for i, t in enumerate(texts):
@@ -137,6 +168,8 @@ class RunLogger:
         if not self.enabled:
             return
         self._file.close()
+        if self._samples is not None:
+            self._samples.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

@@ -25,7 +25,8 @@ import stat
 import time
 from pathlib import Path
 
-from distlm.config import ConfigError
+from distlm.bounded_yaml import read_yaml_file
+from distlm.config import SECTIONS, ConfigError
 
 LOCK = ".lock"
 
@@ -36,7 +37,7 @@ def claim_run_name(root: Path, prefix: str) -> str:
     machine) took the same name, and the second was refused as "in use by another trainer".
     The later one now gets -2 (-3, ...). Called by one process; the others are told the name."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root, "log.root")
     stamp = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
     for n in itertools.count(1):
         name = stamp if n == 1 else f"{stamp}-{n}"
@@ -45,6 +46,9 @@ def claim_run_name(root: Path, prefix: str) -> str:
             return name
         except FileExistsError:
             continue
+        except OSError as e:
+            raise ConfigError(f"log.root={root}: cannot create the run folder {root / name}: "
+                              f"{e.strerror or e.__class__.__name__}") from None
 
 
 class RunLock:
@@ -53,17 +57,19 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.path.parent, "the run folder")
         fd = self._open()
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            holder = text if text.isdigit() and text.isascii() else "unknown"  # never echo its bytes raw
             os.close(fd)
             raise ConfigError(f"run directory {self.path.parent} is in use by another trainer (PID {holder}); "
                               f"wait for it to finish or choose another log.name") from None
         try:
             check_run_folder(self.path.parent)
+            check_holds_a_run(self.path.parent)
         except BaseException:
             os.close(fd)
             raise
@@ -114,6 +120,74 @@ class RunLock:
             pass  # something arrived in the folder meanwhile: it stays, as it is
         finally:
             self.release()
+
+
+# What distlm itself may have put in a run folder before the run's first file: the lock, and
+# a Slurm attempt's record (distlm/launch/slurm.py), written before the trainer starts.
+_BEFORE_A_RUN = {LOCK, "slurm"}
+# The run's marker: written before its first step, so any run that has trained holds it.
+RUN_CONFIG = "config.yaml"
+
+
+def check_holds_a_run(run_dir: Path) -> None:
+    """ConfigError unless ``run_dir`` is new (empty, or only what distlm writes before a run
+    starts) or holds a distlm run: a config.yaml that is a distlm config, or a checkpoint. A
+    folder of something else (a home folder, a data folder, log.root itself as log.name=.,
+    a link's target) is never adopted, whatever train.resume says: a start there would
+    overwrite its config.yaml and metrics.csv."""
+    run_dir = Path(run_dir)
+    with os.scandir(run_dir) as entries:
+        names = {entry.name for entry in entries}
+    if names <= _BEFORE_A_RUN or _has_checkpoint(run_dir / "checkpoints"):
+        return
+    why = _not_a_run_config(run_dir / RUN_CONFIG)
+    if why:
+        theirs = sorted(names - _BEFORE_A_RUN)
+        # someone else's names: never a line break or an escape code in the one-line error
+        shown = ", ".join("".join(c if c.isprintable() else "?" for c in n[:60]) for n in theirs[:3])
+        shown += ", ..." if len(theirs) > 3 else ""
+        raise ConfigError(f"{run_dir}: holds files ({shown}) but no distlm run ({why}); refused: a run started "
+                          f"there would overwrite them (choose another log.name, or an empty folder)")
+
+
+def _has_checkpoint(ckpt_root: Path) -> bool:
+    from distlm.checkpoint.files import MARKER  # the package imports torch: only when asked
+    try:
+        with os.scandir(ckpt_root) as entries:
+            return any(e.name.startswith("step_") and e.is_dir(follow_symlinks=False)
+                       and os.path.isfile(os.path.join(e.path, MARKER)) for e in entries)
+    except OSError:
+        return False
+
+
+def _not_a_run_config(path: Path) -> str:
+    """Why ``path`` is not the config.yaml of a distlm run ("" when it is one): a regular file
+    whose top level is a mapping of config sections."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"no {RUN_CONFIG}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"its {RUN_CONFIG} is {_kind(st.st_mode)}"
+    try:
+        data = read_yaml_file(path)
+    except ConfigError:
+        return f"its {RUN_CONFIG} is not a distlm config"
+    if not isinstance(data, dict) or not data or not set(data) <= set(SECTIONS):
+        return f"its {RUN_CONFIG} is not a distlm config"
+    return ""
+
+
+def make_folder(folder: Path, what: str) -> None:
+    """``folder`` and its parents, or a one-line ConfigError: log.root on a file, under /proc,
+    read-only or full is a user's choice of place, not a bug."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else (
+            e.strerror or e.__class__.__name__)
+        raise ConfigError(f"{folder}: cannot create {what} there ({why}); choose another log.root or "
+                          f"log.name") from None
 
 
 def holds_no_run(run_dir: Path) -> bool:

@@ -332,6 +332,10 @@ def load_split(data_dir: Path, manifest: dict, split: str) -> dict[str, np.ndarr
     info = manifest["splits"].get(split)
     if info is None:
         raise DataError(f"{data_dir}/manifest.json: no '{split}' split")
+    from distlm.data import file_name_problem
+    problem = file_name_problem(info.get("file") if isinstance(info, dict) else None, f"splits.{split}.file")
+    if problem:
+        raise DataError(f"{data_dir}/manifest.json: {problem}; refused")
     path = Path(data_dir) / info["file"]
     try:
         with np.load(path, allow_pickle=False) as z:
