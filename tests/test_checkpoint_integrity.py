@@ -350,7 +350,7 @@ def test_failed_save_is_one_error_class_with_a_readable_cause(run, monkeypatch, 
         ckpt.save_checkpoint(run / "checkpoints", 8, model, opt, marker_meta(8))
     assert e.value.cause.startswith(cause) and cause in one_line(e.value)
     assert str(ck(run, 8)) in str(e.value)
-    assert not (run / "checkpoints" / ".tmp-step_0000008").exists() and not ck(run, 8).exists()
+    assert not list((run / "checkpoints").glob(".tmp-step_0000008*")) and not ck(run, 8).exists()
     ckpt.verify_checkpoint(ck(run, 6))  # the previous checkpoint is untouched
 
 
@@ -364,7 +364,7 @@ def test_failed_async_save_is_a_save_error_at_finish(run, monkeypatch):
     pending = ckpt.save_checkpoint(run / "checkpoints", 8, model, opt, marker_meta(8), async_save=True)
     with pytest.raises(CheckpointSaveError, match="disk full"):
         pending.finish()
-    assert not (run / "checkpoints" / ".tmp-step_0000008").exists() and not ck(run, 8).exists()
+    assert not list((run / "checkpoints").glob(".tmp-step_0000008*")) and not ck(run, 8).exists()
 
 
 def test_failure_writing_the_marker_is_a_save_error(run, monkeypatch):
@@ -384,7 +384,7 @@ def test_keyboard_interrupt_during_save_propagates(run, monkeypatch):
     model, opt = tiny_model()
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(run / "checkpoints", 8, model, opt, marker_meta(8))
-    assert not (run / "checkpoints" / ".tmp-step_0000008").exists()
+    assert not list((run / "checkpoints").glob(".tmp-step_0000008*"))
 
 
 @pytest.fixture
@@ -509,3 +509,17 @@ def test_a_writer_thread_that_fails_fails_the_save_and_leaves_nothing(tmp_path, 
     with pytest.raises(CheckpointSaveError, match="not written.*a writer thread failed"):
         save(tmp_path, 2)
     assert ckpt.list_checkpoints(tmp_path) == ([good], [])  # the earlier one intact, no partial folder
+
+
+def test_a_link_at_a_temporary_folders_name_is_never_written_through(tmp_path):
+    """The folder a checkpoint is written into is made new under a random name: a link left
+    at the old, predictable name (or any name of that step) is unlinked, not followed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    for name in (".tmp-step_0000001", ".tmp-step_0000001-x"):
+        (root / name).symlink_to(outside, target_is_directory=True)
+    folder = save(root, 1)
+    assert list(outside.iterdir()) == [] and ckpt.list_checkpoints(root) == ([folder], [])
+    assert not list(root.glob(".tmp-step_*"))

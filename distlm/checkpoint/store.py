@@ -29,6 +29,7 @@ import os
 import shutil
 import stat
 import sys
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -43,13 +44,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
 from distlm.checkpoint.files import CONFIG, MARKER, _fsync_dir, _hash_files, _listed_files, _own_files, open_regular
-from distlm.checkpoint.group import _agree, _any_rank, _distributed, _rank, _world
+from distlm.checkpoint.group import _agree, _any_rank, _distributed, _flag_device, _rank, _world
 from distlm.checkpoint.safe_dcp import (ENTRY_LIMIT, load_weights_only, one_line, read_dcp_metadata, safe_load,
                                        underlying_errors)
 from distlm.checkpoint.verify import (VerifiedFiles, marker_text, pruned_meanwhile, read_meta,  # noqa: F401
                                      verify_checkpoint, verify_files)
 from distlm.host import local_ranks, usable_cores
-from distlm.io import atomic_write_text, write_new
+from distlm.io import _umask, atomic_write_text, write_new
 from distlm.local_shard import local_shard
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
@@ -127,22 +128,24 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         raise ValueError("save_checkpoint: a background save of several processes needs a background_group")
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:07d}"
-    tmp = ckpt_root / f".tmp-step_{step:07d}"
     if not params_finite(model):
         raise NonFiniteCheckpoint(f"cannot write checkpoint {final}: the model parameters hold NaN or Inf",
                                   "the model parameters hold NaN or Inf")
+    tmp = None
     try:
-        error = None
+        error, name = None, None
         if _rank() == 0:
             try:
                 ckpt_root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
+                _remove_stale_temps(ckpt_root, step)
+                tmp = _new_temp_folder(ckpt_root, step)
+                name = tmp.name
                 if "config" in meta:
                     write_new(tmp / CONFIG, json.dumps(meta["config"], indent=1).encode())
             except OSError as e:
                 error = e
         _agree(error, f"cannot write checkpoint {final}")
+        tmp = ckpt_root / _shared_name(name)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         # A rank that cannot write its RNG file still joins DCP's save (a collective), and the
         # failure is agreed on in _finalize: no rank is left waiting.
@@ -171,12 +174,46 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
         lap("checkpoint write")
         _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo, lap)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        discard(tmp)
+        if tmp is not None:
+            discard(tmp)
         raise _as_save_error(e, final) from e
     except BaseException:
-        discard(tmp)
+        if tmp is not None:
+            discard(tmp)
         raise
     return final
+
+
+# The temporary folder a checkpoint is written into: TEMP_PREFIX + the step + "-" + a random part.
+TEMP_PREFIX = ".tmp-step_"
+
+
+def _new_temp_folder(ckpt_root: Path, step: int) -> Path:
+    """A new folder under a name nobody can predict (tempfile.mkdtemp: created, never
+    adopted), so a process that can write in the run folder cannot place a link where the
+    checkpoint's files will go. Its mode is a plain mkdir's, not mkdtemp's 0700."""
+    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f"{TEMP_PREFIX}{step:07d}-"))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
+def _remove_stale_temps(ckpt_root: Path, step: int) -> None:
+    """The temporary folders an earlier save of this step left (a process killed mid-save):
+    removed, links only unlinked (never followed)."""
+    for old in ckpt_root.glob(f"{TEMP_PREFIX}{step:07d}*"):
+        if old.is_symlink() or not old.is_dir():
+            old.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _shared_name(name: Optional[str]) -> str:
+    """Rank 0's temporary folder's name, on every rank (collective when a group is up)."""
+    if not _distributed():
+        return name
+    box = [name]
+    dist.broadcast_object_list(box, src=0, device=_flag_device())
+    return box[0]
 
 
 def write_threads(environ=os.environ) -> int:
@@ -357,7 +394,7 @@ def list_checkpoints(ckpt_root: Path) -> tuple[list[Path], list[Path]]:
         # a link is never followed out of the run folder: it counts as torn, left alone
         if p.name.startswith("step_") and not p.is_symlink() and (p / MARKER).is_file():
             complete.append(p)
-        elif p.name.startswith(("step_", ".tmp-step_")):
+        elif p.name.startswith(("step_", TEMP_PREFIX)):
             torn.append(p)
     return complete, torn
 
