@@ -41,6 +41,7 @@ from distlm.cli.signature import add_verb, call, takes
 from distlm.cli.verbs import env, evaluate, export, plan, plot, predict, prepare, train
 from distlm.config import SECTIONS, ConfigError, list_presets
 from distlm.data import DataError
+from distlm.errors import AgreedError
 
 VERBS: dict[str, Callable[..., int]] = {
     "prepare": prepare,
@@ -103,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _take_overrides(parser.verb_parsers[args.verb], args, extra, argv)
         return call(args._fn, args)
     except (ConfigError, DataError) as e:
-        print_error(str(e))
+        print_error(str(e), agreed=isinstance(e, AgreedError))
         return 2
     except Exception as e:
         status = _status_of(e)
@@ -134,17 +135,18 @@ def _status_of(e: Exception) -> Optional[int]:
     return None
 
 
-def print_error(message: str) -> None:
+def print_error(message: str, agreed: bool = False) -> None:
     """Under torchrun every rank parses the same command line, so a config error is the same
     everywhere and rank 0's copy is enough. Once the process group is up an error can be one
     rank's own (its GPU's memory, its node's files): the other ranks then say theirs too, with
     their rank, or a job could fail with no word of why (seen on a GPU run: rank 1 exited 2,
-    silent, rank 0 killed)."""
+    silent, rank 0 killed). An ``agreed`` error is every rank's alike (decided on values the
+    ranks agreed on): rank 0's copy is enough again."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print(f"error: {message}", file=sys.stderr)
         return
-    if _process_group_up():
+    if _process_group_up() and not agreed:
         print(f"error (rank {rank}): {message}", file=sys.stderr)
 
 

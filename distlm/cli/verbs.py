@@ -108,7 +108,7 @@ def train(
             print(to_yaml(cfg), end="")
         return 0
     if nproc_per_node != 1:
-        return _launch_train(nproc_per_node, config, overrides)
+        return _launch_train(cfg, nproc_per_node, config, overrides)
     # CUDA's driver starts on a thread while torch and the Trainer are imported (that import
     # holds the interpreter; the driver's start does not need it): distlm/train/cuda_driver.py.
     from distlm.train.cuda_driver import CudaDriverStart
@@ -126,18 +126,26 @@ def train(
         scored = f"val loss {val:.4f}" + (f" on {on}" if on else "") if on or (val is not None and val == val) \
             else "no validation (no val split to score)"
         print(f"done: step {summary['step']}, {scored}, checkpoint {summary['checkpoint']}")
+    if summary.get("signal"):
+        # Saved and stopped, but not finished: the shell's status for a process the signal
+        # ended, so that a script or CI tells an interrupted run from a finished one.
+        import signal
+        return 128 + int(signal.Signals[summary["signal"]])
     return 0
 
 
-def _launch_train(nproc: int, config: Optional[str], overrides: Sequence[str]) -> int:
+def _launch_train(cfg, nproc: int, config: Optional[str], overrides: Sequence[str]) -> int:
     """`distlm train --nproc-per-node N`: the same command, without the flag, in N ranks that
-    torchrun's entry point starts from this process (distlm/launch/local.py says why)."""
-    from distlm.launch.local import launch, under_launcher
+    torchrun's entry point starts from this process (distlm/launch/local.py says why). What
+    the ranks would refuse without a GPU (the layout, the batch on N processes) is refused
+    here, before any is started."""
+    from distlm.launch.local import check_before_launch, launch, under_launcher
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc}: expected a number of processes, 1 or more")
     if under_launcher():
         raise ConfigError("--nproc-per-node: this process is already one rank of a launch (LOCAL_RANK is "
                           "set); give the process count to the launcher, not to each rank")
+    check_before_launch(cfg, nproc)
     status, said = launch(nproc, ["train", *(["--config", config] if config else []), *overrides])
     if said:
         print(said, file=sys.stderr)

@@ -7,6 +7,7 @@ import os
 import torch
 
 from distlm.config import Config
+from distlm.errors import AgreedError, ConfigError
 from distlm.model.memory import GIB, check_fits, host_available_bytes, position_table_bytes
 from distlm.train.fast_defaults import Device, memory_estimate
 from distlm.host import local_ranks
@@ -39,4 +40,6 @@ def check_memory(cfg: Config, device: torch.device, dims, comm=None) -> None:
                            f"grads {est.grads_gb:.1f}, optimizer {est.optim_gb:.1f}, activations "
                            f"{est.activations_gb:.1f}, per process)", where,
                "use a smaller model or micro-batch, more GPUs (`distlm plan` shows the layouts that fit), or "
-               "train.memory_check=false to start anyway")
+               "train.memory_check=false to start anyway",
+               # every rank compares the same estimate with the same least free memory: one refusal
+               AgreedError if distributed else ConfigError)

@@ -36,7 +36,8 @@ from distlm.train.compile_workers import CompileWorkers
 from distlm.train.cuda_driver import local_rank
 from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
-from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
+from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, checkpoint_schedule, nonfinite_guard,
+                                 nonfinite_verdict, stop_reason)
 from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
 from distlm.train.matmul_dtype import MatmulDtypeProbe
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
@@ -390,6 +391,7 @@ class Trainer:
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
             say(self.setup_line)
+            say(checkpoint_schedule(cfg.train))
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         self.lr_clock.start()
         stop_cfg = self.lr_clock.stop_config(cfg.train)
@@ -454,6 +456,7 @@ class Trainer:
             except NothingToPlot:
                 pass  # a run resumed at its end trained nothing and logged nothing: no empty frame
         return {"step": self.step, "train_loss": last_loss, "val_loss": last_val, "stopped": stopped,
+                "signal": stop.signal,  # the signal this process received (SIGTERM, SIGINT), if any
                 "checkpoint": str(final["checkpoint"]) if final["checkpoint"] else None,
                 "run_dir": str(self.run_dir), "val_on": self.task.describe_eval()}
 
