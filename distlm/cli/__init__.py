@@ -18,8 +18,13 @@ signature is its command line (signature.py builds the argparse parser from it).
 
 Conventions: config settings are `section.key=value` overrides, anywhere on the line, never
 flags (`--max-steps 5` is refused with the override to write instead); a flag given twice is
-an error; a user error is one line on stderr, `error: ...`, exit 2 (3 when training had to
-stop); under torchrun only rank 0 prints it.
+an error; a user error is one line on stderr, `error: ...`; under `distlm train
+--nproc-per-node N` and the SLURM script only rank 0 prints it and nothing else follows (a
+bare torchrun adds its own summary after it). Exit status, the same for `distlm train`,
+`distlm train --nproc-per-node N` and the SLURM script's srun step: 0 finished; 2 the user's
+error (config, data, memory, layout, a missing or damaged checkpoint); 3 training had to stop
+(a checkpoint that cannot be written, non-finite values); 128 + the signal when a signal
+stopped the run after saving (130 Ctrl-C, 143 SIGTERM); 1 a crash (a traceback).
 """
 from __future__ import annotations
 
