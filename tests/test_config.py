@@ -55,6 +55,14 @@ def test_no_preset_pins_a_micro_batch_that_breaks_on_2_or_4_processes(name, npro
     check_before_launch(cfg, nproc)
 
 
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "..", ".", " "])
+def test_a_run_name_is_one_folder_under_log_root(name):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [f"log.name={name}"])
+    assert str(e.value).startswith(f"log.name={name!r}: a run name is one folder name under log.root")
+    assert load_config("tiny", ["log.name=first.try-2"]).log.name == "first.try-2"
+
+
 def test_unknown_preset_suggests():
     with pytest.raises(ConfigError, match="did you mean 'tiny'"):
         load_config("tinyy")

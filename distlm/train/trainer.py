@@ -38,7 +38,7 @@ from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, checkpoint_schedule, nonfinite_guard,
                                  nonfinite_verdict, stop_reason)
-from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
+from distlm.train.logger import DEFAULT_LOG_EVERY, Progress, ProgressBar, RunLogger, console_line, log_interval
 from distlm.train.matmul_dtype import MatmulDtypeProbe
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_ns_dtype
@@ -399,9 +399,9 @@ class Trainer:
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
         loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
-        if main and every != cfg.log.every:  # said once, not done quietly
-            say(f"log.every={cfg.log.every}: a row every {every} steps instead, so that this "
-                f"{cfg.train.max_steps}-step run draws about 20 points")
+        if main and cfg.log.every is None and every != DEFAULT_LOG_EVERY:  # said once, not done quietly
+            say(f"log.every=auto: a row every {every} steps, so that this {cfg.train.max_steps}-step run draws "
+                f"about 20 points (a number given for log.every is kept)")
         logged = None  # the step of the newest row
         self.model.train()
         try:
