@@ -45,7 +45,8 @@ def prepare(
     max_len: Annotated[int, "classify: tokens kept per text (truncate, then pad)"] = 128,
     val_input: Annotated[Optional[str], "classify: a file with the held-out rows"] = None,
     split_field: Annotated[str, "classify: a column saying train or val/test, used when the data has it"] = "split",
-    shard: Annotated[Optional[str], "I/N: prepare only part I (0..N-1) of the inputs, for --merge"] = None,
+    shard: Annotated[Optional[str], "I/N: prepare only part I (0..N-1) of the inputs, about 1/N of their bytes "
+                                    "(big files are cut), for --merge; a part that would be empty is refused"] = None,
     merge: Annotated[Sequence[str], "PART_DIR...: join the parts made with --shard I/N into --out"] = (),
 ) -> int:
     """Tokenize text into token shards and a manifest.
