@@ -108,6 +108,12 @@ def train(
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
         return 0
+    if cfg.init.from_hf and cfg.task.name == "lm":
+        from distlm.interop.hf_load import from_hf_settings
+        said = from_hf_settings(cfg.model, cfg.init.from_hf, _model_fields_given(config, overrides),
+                                resume=cfg.train.resume != "never")
+        if nproc_per_node == 1 and os.environ.get("RANK", "0") == "0":
+            print(said, flush=True)
     if nproc_per_node != 1:
         return _launch_train(cfg, nproc_per_node, config, overrides)
     # CUDA's driver starts on a thread while torch and the Trainer are imported (that import
@@ -133,6 +139,29 @@ def train(
         import signal
         return 128 + int(signal.Signals[summary["signal"]])
     return 0
+
+
+def _model_fields_given(config: Optional[str], overrides: Sequence[str]) -> set[str]:
+    """The model.* fields the --config file (or preset) and the overrides set: a user's
+    settings, as opposed to the defaults."""
+    from distlm.config import _preset_path, _read_yaml
+    given: set[str] = set()
+
+    def take(model) -> None:
+        if isinstance(model, str):  # model: PRESET, a preset's architecture
+            model = _read_yaml(_preset_path(model)).get("model") or {}
+        if isinstance(model, dict):
+            given.update(model)
+
+    if config:
+        take(_read_yaml(_preset_path(config)).get("model"))
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "model":
+            take(value)
+        elif key.startswith("model."):
+            given.add(key[len("model."):])
+    return given
 
 
 def _launch_train(cfg, nproc: int, config: Optional[str], overrides: Sequence[str]) -> int:
