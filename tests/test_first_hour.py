@@ -357,6 +357,10 @@ def test_a_run_killed_with_kill_9_midway_resumes_bit_exactly(tmp_path):
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert "checkpoints: every 100 steps (train.checkpoint_every) and at the end; a crash loses at most 100 steps" \
         in ref.stdout, ref.stdout
+    # where it writes, resolved, and the log.every given kept (300 steps would otherwise adapt)
+    assert f"paths: run folder {(tmp_path / 'ref').resolve()} (log.root={tmp_path}), data.source=synthetic" \
+        in ref.stdout, ref.stdout
+    assert "log.every=auto" not in ref.stdout and [r["step"] for r in rows(tmp_path / "ref")][:3] == ["1", "10", "20"]
 
     cmd, env = _train(tmp_path, "log.name=crash")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

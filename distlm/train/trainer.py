@@ -391,6 +391,7 @@ class Trainer:
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G")
             say(self.setup_line)
+            say(self._paths_line())
             say(checkpoint_schedule(cfg.train))
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         self.lr_clock.start()
@@ -400,7 +401,8 @@ class Trainer:
         loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
         if main and cfg.log.every is None and every != DEFAULT_LOG_EVERY:  # said once, not done quietly
-            say(f"log.every=auto: a row every {every} steps, so that this {cfg.train.max_steps}-step run draws "
+            say(f"log.every=auto: a row every {'step' if every == 1 else f'{every} steps'}, so that this "
+                f"{cfg.train.max_steps}-step run draws "
                 f"about 20 points (a number given for log.every is kept)")
         logged = None  # the step of the newest row
         self.model.train()
@@ -459,6 +461,17 @@ class Trainer:
                 "signal": stop.signal,  # the signal this process received (SIGTERM, SIGINT), if any
                 "checkpoint": str(final["checkpoint"]) if final["checkpoint"] else None,
                 "run_dir": str(self.run_dir), "val_on": self.task.describe_eval()}
+
+    def _paths_line(self) -> str:
+        """Where the run writes and what it reads, resolved: a relative log.root or data.dir
+        names a folder under the directory the command was started in."""
+        cfg = self.cfg
+        line = f"paths: run folder {self.run_dir.resolve()} (log.root={cfg.log.root})"
+        if cfg.data.mix:
+            return line + f", data.mix={cfg.data.mix}"
+        if self.data_dir is not None:
+            return line + f", data {Path(self.data_dir).resolve()} (data.dir={cfg.data.dir})"
+        return line + f", data.source={cfg.data.source}"
 
     def _finish(self, logger, say, stopped: Optional[str], evaluated: bool, last_val: Optional[float],
                 ran: bool) -> dict:
