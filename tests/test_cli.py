@@ -46,6 +46,16 @@ def e2e(tmp_path_factory, text_dir):
     return tmp, p
 
 
+def test_eval_through_a_pipe_says_how_far_it_is(e2e):
+    """No bar in a pipe (its redraws would flood a log): a line at each tenth of the batches,
+    on stderr, as they are done; the result alone on stdout."""
+    tmp, _ = e2e
+    p = distlm("eval", "--checkpoint", tmp / "runs" / "r", "--batches", "20", "--device", "cpu")
+    lines = p.stderr.splitlines()
+    assert lines == [f"eval: {n}/20 batches" for n in range(2, 20, 2)], p.stderr
+    assert p.stdout.count("\n") == 1 and "val loss" in p.stdout, p.stdout
+
+
 def test_prepare_train_eval_generate(e2e):
     tmp, train = e2e
     assert "done: step 20" in train.stdout

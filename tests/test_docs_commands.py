@@ -52,6 +52,7 @@ SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
 PLACEHOLDERS = {
     "path/to/local/gpt2": "a Hugging Face GPT-2 folder the reader has",
     "/data/fineweb": "the reader's corpus",
+    "my-text/": "the reader's own text",
     "news.csv": "the reader's labelled texts",
     "runs/my-lm": "a language-model run of the reader's, on GPT-2 tokens",
 }
@@ -110,6 +111,7 @@ def commands_in(path: Path) -> list[Command]:
             text = text[:-1].rstrip() + " " + lines[i].strip()
         i += 1
         text = text[2:] if text.startswith("$ ") else text
+        text = text[:-1].rstrip() if text.endswith(" &") else text  # started in the background: the same command
         first = next((w for w in text.split() if not re.match(r"^[A-Z_][A-Z0-9_]*=", w)), "")
         if first not in HEADS:
             continue

@@ -231,12 +231,16 @@ def evaluate(
     # a smaller last batch costs no compilation).
     val = val_micro_batches(blocks, batches, cfg.train.micro_batch_size, keep_tail=True)
     total = rows = 0.0
+    # tqdm's disable=None: a bar on a terminal; in a pipe or a log file, where a bar would be
+    # thousands of redraws, a line at each tenth instead, so a long evaluation is seen to move
+    tenths = set() if sys.stderr.isatty() else {math.ceil(len(val) * k / 10) for k in range(1, 10)}
     with torch.no_grad():
-        # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
-        for x, y, weight in tqdm(val.weighted(), total=len(val), desc="eval", unit="batch", leave=False,
-                                 disable=None):
+        for i, (x, y, weight) in enumerate(tqdm(val.weighted(), total=len(val), desc="eval", unit="batch",
+                                                leave=False, disable=None), 1):
             total += float(lm_loss(loaded.model(x.to(dev)), y.to(dev))) * weight
             rows += weight
+            if i in tenths:
+                print(f"eval: {i}/{len(val)} batches", file=sys.stderr, flush=True)
     if not rows:
         from distlm.data import DataError
         raise DataError(f"{data_dir}: the '{split}' split holds no block of {cfg.model.block_size} tokens")
