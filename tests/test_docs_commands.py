@@ -421,7 +421,7 @@ def check(argv: list[str], code: int, out: str, err: str, cwd: Path) -> None:
     elif verb == "generate" and "--out" in argv:
         written = cwd / argv[argv.index("--out") + 1]
         n = len(Path(argv[argv.index("--prompts-file") + 1]).read_text().splitlines())
-        assert out.startswith(f"wrote {n} prompts x 1 samples to {written.name}"), out
+        assert out.startswith(f"wrote {n} prompts x 1 samples to {argv[argv.index('--out') + 1]}"), out
         assert [json.loads(x)["index"] for x in written.read_text().splitlines()] == list(range(n))
     elif verb == "generate":
         prompt = argv[argv.index("--prompt") + 1]
