@@ -474,7 +474,11 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(classify_data, "DEFAULT_DATA", tiny_news(tmp_path))
     ran, skipped, missing, took = [], [], [], []
     unavailable: set[str] = set()  # what commands that are not run would have made
+    fixtures = {p.name for p in tmp_path.iterdir()}  # what this test put there (the tiny corpora)
+    left_by_tour = None
     for cmd in all_commands():
+        if left_by_tour is None and cmd.page != "README.md":  # the tour is done: what did it leave?
+            left_by_tour = sorted(p.name + "/" * p.is_dir() for p in tmp_path.iterdir() if p.name not in fixtures)
         words = _strip_env(cmd.words)
         why = not_run_reason(words)
         out_dir = _take(words, ("--out",)) or next((w.split("=", 1)[1] for w in words if w.startswith("log.name=")), None)
@@ -510,6 +514,9 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
         ran.append(cmd)
         took.append(f"  {time.monotonic() - t:5.1f} s  {cmd}")
     assert not missing, "\n".join(missing)
+    # The tour writes under the folders a clone ignores (data/, runs/): nothing untracked in its root.
+    untracked = [name for name in left_by_tour if subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT).returncode]
+    assert left_by_tour and not untracked, f"the tour leaves {untracked} in the repository's root"
     with capsys.disabled():
         print(f"\ndocumented commands: {len(ran)} ran, {len(skipped)} validated only")
         print("\n".join(took))
