@@ -60,6 +60,7 @@ PLACEHOLDERS = {
 NOT_RUN = {
     "torchrun": "several processes, usually GPUs; the layouts run in tests/test_distributed.py and "
                 "tests/test_model_parallel.py",
+    "--nproc-per-node": "several processes, usually GPUs; tests/test_launch_local.py runs it on 2 CPU ranks",
     "horovodrun": "needs the Horovod build (make horovod); tests/test_horovod.py runs the engine",
     "sbatch": "needs a SLURM cluster; the dry run of the same script runs here, tests/test_slurm.py the rest",
     "srun": "needs a SLURM cluster",
