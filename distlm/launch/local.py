@@ -39,14 +39,22 @@ def torchrun_args(nproc: int, distlm_args: Sequence[str]) -> list[str]:
 def check_before_launch(cfg, nproc: int) -> None:
     """What the ranks would refuse without a GPU on ``nproc`` processes, refused here first,
     before a process is started: the degrees must fill the world (the config's own checks
-    have divided the batch by them), and a language model's data (or Hugging Face folder)
-    be there and fit the model."""
+    have divided the batch by them); a language model's data (or Hugging Face folder) must
+    be there and fit the model, and on a CPU the ``nproc`` processes must fit its RAM."""
     from distlm.layout import Layout
     from distlm.parallel.dims import ParallelDims
-    ParallelDims(**Layout.of(cfg.parallel).degrees(), world_size=nproc)  # raises as a rank would
-    if cfg.task.name == "lm":  # a classifier's resolve may prepare its default data: the ranks do that
-        from distlm.tasks.lm import LMTask
-        LMTask().resolve(cfg, None, True)
+    dims = ParallelDims(**Layout.of(cfg.parallel).degrees(), world_size=nproc)  # raises as a rank would
+    if cfg.task.name != "lm":  # a classifier's resolve may prepare its default data: the ranks do that
+        return
+    from distlm.device import resolve_device
+    from distlm.tasks.lm import LMTask
+    from distlm.train.fast_defaults import Device, choose
+    from distlm.train.memory_check import check_memory
+    resolved = LMTask().resolve(cfg, None, True).cfg
+    device = resolve_device(cfg.train.device)
+    if device.type == "cpu":  # a GPU's free memory is the rank's to measure, on its GPU
+        check_memory(choose(resolved, Device("cpu"), dims).cfg, device, dims,
+                     environ={"LOCAL_WORLD_SIZE": str(nproc)})
 
 
 def launch(nproc: int, distlm_args: Sequence[str]) -> tuple[int, Optional[str]]:
