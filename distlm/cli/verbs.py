@@ -233,7 +233,8 @@ def evaluate(
     total = rows = 0.0
     # tqdm's disable=None: a bar on a terminal; in a pipe or a log file, where a bar would be
     # thousands of redraws, a line at each tenth instead, so a long evaluation is seen to move
-    tenths = set() if sys.stderr.isatty() else {math.ceil(len(val) * k / 10) for k in range(1, 10)}
+    # (from 10 batches: a shorter one is done before a line would help)
+    tenths = set() if sys.stderr.isatty() or len(val) < 10 else {math.ceil(len(val) * k / 10) for k in range(1, 10)}
     with torch.no_grad():
         for i, (x, y, weight) in enumerate(tqdm(val.weighted(), total=len(val), desc="eval", unit="batch",
                                                 leave=False, disable=None), 1):
