@@ -267,10 +267,10 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class LogConfig:
     root: str = doc("runs", "run directories live under this folder")
-    name: Optional[str] = doc(None, "run name; default: a timestamp")
-    every: int = doc(10, "steps between console/CSV/TensorBoard rows; a short run logs more often, every "
-                         "max(1, min(log.every, train.max_steps // 20)) steps, so it still gets about 20 "
-                         "points")
+    name: Optional[str] = doc(None, "run name, one folder name under log.root; default: a timestamp")
+    every: Optional[int] = auto(help="steps between console/CSV/TensorBoard rows (besides the first step's, the "
+                                     "last's and each evaluation's); auto = 10, or on a short run max(1, "
+                                     "train.max_steps // 20), so it still gets about 20 points; a number is kept")
     tensorboard: bool = True
     wandb: bool = doc(False, "log to Weights & Biases when it is installed")
     wandb_project: str = "distlm"
@@ -580,6 +580,7 @@ def validate_settings(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size must be positive, got {m.vocab_size}")
     # What each parallel axis refuses, and the batch over the data ranks: distlm/layout/.
     check_layout(cfg)
+    _validate_run_name(cfg.log.name)
     if cfg.data.mix and (cfg.data.dir or cfg.data.source == "synthetic"):
         raise ConfigError("data.mix trains on its own folders: leave data.dir unset and data.source=tokens")
     if t.min_lr > t.lr:
@@ -621,6 +622,15 @@ def _validate_moe(cfg: Config) -> None:
     if cfg.train.fp8 != "off":
         raise ConfigError(f"model.moe.experts={e.experts} does not support train.fp8={cfg.train.fp8}: the float8 "
                           f"layers replace nn.Linear, and the experts are 3-D parameters")
+
+
+def _validate_run_name(name: Optional[str]) -> None:
+    """log.name is the run's folder under log.root, never a path out of it (../x, /abs, a/b)."""
+    if name is None:
+        return
+    if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"log.name={name!r}: a run name is one folder name under log.root (no '/', '.' or "
+                          f"'..'); to keep runs elsewhere, set log.root=DIR")
 
 
 def _at_least(lo):

@@ -7,3 +7,9 @@ each can refuse a value in the same one-line form: the field and the value named
 
 class ConfigError(ValueError):
     """A user-facing config problem; the message names the field and value."""
+
+
+class AgreedError(ConfigError):
+    """A refusal every rank reaches alike, from a value agreed over the ranks (the memory
+    check's least free memory): rank 0 says it for all, where a rank's own error is said by
+    each rank that has it."""

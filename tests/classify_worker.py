@@ -4,7 +4,7 @@
 
 PLAN.json: {"out": "results.json", "jobs": [{"name": "ddp2", "overrides": [...]}, ...]}. Each
 job is the Trainer the CLI builds; losses and grad norms land in each run's metrics.csv,
-the last evaluation in its eval.json. Rank 0 writes what only a live process sees to ``out``.
+the last evaluation in its eval-val.json. Rank 0 writes what only a live process sees to ``out``.
 """
 from __future__ import annotations
 

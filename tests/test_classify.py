@@ -144,13 +144,23 @@ def test_short_training_beats_the_majority_class(trained, root):
     assert last["accuracy"] > last["majority_baseline"] + 0.3, last
     assert 0 < last["macro_f1"] <= 1
     run = root / "toy"
-    assert json.loads((run / "eval.json").read_text())["confusion"] == last["confusion"]
+    assert json.loads((run / "eval-val.json").read_text())["confusion"] == last["confusion"]
     with open(run / "classify_metrics.csv", newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [30, 60]
     import matplotlib.image
-    img = matplotlib.image.imread(run / "confusion.png")
+    img = matplotlib.image.imread(run / "confusion-val.png")
     assert img.ndim == 3 and img.shape[0] > 100
     assert json.loads((run / "labels.json").read_text())["labels"] == ["health", "space", "sport", "tech"]
+
+
+def test_the_loss_plot_of_a_classifier_is_per_text(trained, root, monkeypatch):
+    from distlm.report import plot as plot_module
+    labels = []
+    real = plot_module.save_figure
+    monkeypatch.setattr(plot_module, "save_figure",
+                        lambda fig, out, **kw: labels.append(fig.axes[0].get_ylabel()) or real(fig, out, **kw))
+    plot_module.plot_runs([root / "toy"], root / "toy-loss.png")
+    assert labels == ["cross-entropy loss (nats/text)"]
 
 
 def test_eval_cli_reports_accuracy_and_confusion_png(trained, root, capsys):
@@ -159,6 +169,10 @@ def test_eval_cli_reports_accuracy_and_confusion_png(trained, root, capsys):
     assert r["accuracy"] == pytest.approx(trained.task.last["accuracy"]) and r["examples"] == 120
     import matplotlib.image
     assert matplotlib.image.imread(r["confusion_png"]).ndim == 3
+    # the training's own evaluation wrote the same two files: one of each, not two names
+    assert r["confusion_png"] == str(root / "toy" / "confusion-val.png")
+    assert sorted(p.name for p in (root / "toy").glob("*.png") if "confusion" in p.name) == ["confusion-val.png"]
+    assert sorted(p.name for p in (root / "toy").glob("eval*.json")) == ["eval-val.json"]
 
 
 def test_predict_writes_labels_and_probabilities(trained, root, capsys):
@@ -292,7 +306,7 @@ def test_two_ranks_match_one_process(root, parallel_runs, name):
     assert [r["dp_rank"] for r in ranks] == [0, 1]
     assert ranks[0]["model_type"] == ("DistributedDataParallel" if name.startswith("ddp2") and "fsdp" not in name
                                       else "FSDPClassifier")
-    ref_eval = json.loads((root / "ref" / "eval.json").read_text())
+    ref_eval = json.loads((root / "ref" / "eval-val.json").read_text())
     assert ranks[0]["last_eval"]["confusion"] == ref_eval["confusion"]  # every val row counted once
     assert math.isclose(ranks[0]["last_eval"]["val_loss"], ref_eval["val_loss"], rel_tol=1e-5)
     if name == "ddp2_to_fsdp2":

@@ -46,6 +46,31 @@ def e2e(tmp_path_factory, text_dir):
     return tmp, p
 
 
+def test_an_error_every_rank_agreed_on_is_said_by_rank_0_alone(monkeypatch, capsys):
+    """A rank's own error (its files, its GPU) is said by every rank that has it, with its rank;
+    one decided on values agreed over the ranks (the memory check's least free memory) is the
+    same everywhere, and rank 0 says it for all."""
+    import distlm.cli as cli
+    monkeypatch.setattr(cli, "_process_group_up", lambda: True)
+    monkeypatch.setenv("RANK", "1")
+    cli.print_error("its own", agreed=False)
+    cli.print_error("everyone's", agreed=True)
+    assert capsys.readouterr().err == "error (rank 1): its own\n"
+    monkeypatch.setenv("RANK", "0")
+    cli.print_error("everyone's", agreed=True)
+    assert capsys.readouterr().err == "error: everyone's\n"
+
+
+def test_eval_through_a_pipe_says_how_far_it_is(e2e):
+    """No bar in a pipe (its redraws would flood a log): a line at each tenth of the batches,
+    on stderr, as they are done; the result alone on stdout."""
+    tmp, _ = e2e
+    p = distlm("eval", "--checkpoint", tmp / "runs" / "r", "--batches", "20", "--device", "cpu")
+    lines = p.stderr.splitlines()
+    assert lines == [f"eval: {n}/20 batches" for n in range(2, 20, 2)], p.stderr
+    assert p.stdout.count("\n") == 1 and "val loss" in p.stdout, p.stdout
+
+
 def test_prepare_train_eval_generate(e2e):
     tmp, train = e2e
     assert "done: step 20" in train.stdout

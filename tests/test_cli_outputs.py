@@ -70,10 +70,15 @@ def test_short_run_says_log_every_changed_and_eval_covers_every_block(tiny_data,
     from distlm.data.loader import TokenBlocks
     from distlm.train.trainer import Trainer
     cfg = load_config(None, TINY + [f"data.dir={tiny_data}", f"log.root={tmp_path}", "log.name=short",
-                                    "train.max_steps=20", "log.every=5", "train.eval_every=0"])
+                                    "train.max_steps=20", "train.eval_every=0"])
     Trainer(cfg).train()
     out = capsys.readouterr().out
-    assert out.count("log.every=5: a row every 1 steps instead") == 1, out
+    assert out.count("log.every=auto: a row every step, so that this 20-step run draws about 20 points") == 1, out
+    kept = load_config(None, TINY + [f"data.dir={tiny_data}", f"log.root={tmp_path}", "log.name=kept",
+                                     "train.max_steps=20", "log.every=5", "train.eval_every=0"])
+    Trainer(kept).train()
+    assert "log.every=" not in capsys.readouterr().out  # a number given is kept, and needs no word
+    assert [r["step"] for r in csv.DictReader(open(tmp_path / "kept" / "metrics.csv"))] == ["1", "5", "10", "15", "20"]
 
     val_blocks = len(TokenBlocks(tiny_data, "val", 16, load_manifest(tiny_data)))
     assert val_blocks % 8, "the check needs a split that is not a whole number of micro-batches"

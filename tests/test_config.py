@@ -29,7 +29,7 @@ def test_overrides_and_model_preset_swap():
     (["model.position=rotary"], "model.position: 'rotary' is not one of"),
     (["train.max_steps=abc"], "train.max_steps: expected an integer, got 'abc'"),
     (["model.n_head=5"], "not divisible by model.n_head=5"),
-    (["train.global_batch_size=30"], "train.global_batch_size=30 must be a multiple"),
+    (["train.global_batch_size=30", "train.micro_batch_size=16"], "train.global_batch_size=30 must be a multiple"),
     (["max_steps"], "must look like key=value"),
     (["parallel.grad_reduce_dtype=fp16"], "parallel.grad_reduce_dtype: 'fp16' is not one of"),
     (["parallel.grad_reduce_dtype=bf16", "parallel.engine=horovod"], "Horovod compresses with parallel.fp16_compression"),
@@ -38,6 +38,29 @@ def test_bad_config_is_named(overrides, needle):
     with pytest.raises(ConfigError, match=None) as e:
         load_config("tiny", overrides)
     assert needle in str(e.value)
+
+
+# The CPU demo and the classifier pin a micro-batch of their whole global batch: one process is
+# what they are measured on (their figures would change with the micro-batch).
+ONE_PROCESS_PRESETS = {"demo", "classify"}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="pins micro_batch_size = global_batch_size")) if n in ONE_PROCESS_PRESETS else n
+    for n in list_presets()])
+def test_no_preset_pins_a_micro_batch_that_breaks_on_2_or_4_processes(name, nproc):
+    from distlm.launch.local import check_before_launch
+    cfg = load_config(name, [f"parallel.dp_replicate={nproc}", "data.source=synthetic"])
+    check_before_launch(cfg, nproc)
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "..", ".", " "])
+def test_a_run_name_is_one_folder_under_log_root(name):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [f"log.name={name}"])
+    assert str(e.value).startswith(f"log.name={name!r}: a run name is one folder name under log.root")
+    assert load_config("tiny", ["log.name=first.try-2"]).log.name == "first.try-2"
 
 
 def test_unknown_preset_suggests():

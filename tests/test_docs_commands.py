@@ -52,6 +52,7 @@ SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
 PLACEHOLDERS = {
     "path/to/local/gpt2": "a Hugging Face GPT-2 folder the reader has",
     "/data/fineweb": "the reader's corpus",
+    "my-text/": "the reader's own text",
     "news.csv": "the reader's labelled texts",
     "runs/my-lm": "a language-model run of the reader's, on GPT-2 tokens",
 }
@@ -59,6 +60,7 @@ PLACEHOLDERS = {
 NOT_RUN = {
     "torchrun": "several processes, usually GPUs; the layouts run in tests/test_distributed.py and "
                 "tests/test_model_parallel.py",
+    "--nproc-per-node": "several processes, usually GPUs; tests/test_launch_local.py runs it on 2 CPU ranks",
     "horovodrun": "needs the Horovod build (make horovod); tests/test_horovod.py runs the engine",
     "sbatch": "needs a SLURM cluster; the dry run of the same script runs here, tests/test_slurm.py the rest",
     "srun": "needs a SLURM cluster",
@@ -110,6 +112,7 @@ def commands_in(path: Path) -> list[Command]:
             text = text[:-1].rstrip() + " " + lines[i].strip()
         i += 1
         text = text[2:] if text.startswith("$ ") else text
+        text = text[:-1].rstrip() if text.endswith(" &") else text  # started in the background: the same command
         first = next((w for w in text.split() if not re.match(r"^[A-Z_][A-Z0-9_]*=", w)), "")
         if first not in HEADS:
             continue
@@ -419,7 +422,7 @@ def check(argv: list[str], code: int, out: str, err: str, cwd: Path) -> None:
     elif verb == "generate" and "--out" in argv:
         written = cwd / argv[argv.index("--out") + 1]
         n = len(Path(argv[argv.index("--prompts-file") + 1]).read_text().splitlines())
-        assert out.startswith(f"wrote {n} prompts x 1 samples to {written.name}"), out
+        assert out.startswith(f"wrote {n} prompts x 1 samples to {argv[argv.index('--out') + 1]}"), out
         assert [json.loads(x)["index"] for x in written.read_text().splitlines()] == list(range(n))
     elif verb == "generate":
         prompt = argv[argv.index("--prompt") + 1]
@@ -472,7 +475,11 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(classify_data, "DEFAULT_DATA", tiny_news(tmp_path))
     ran, skipped, missing, took = [], [], [], []
     unavailable: set[str] = set()  # what commands that are not run would have made
+    fixtures = {p.name for p in tmp_path.iterdir()}  # what this test put there (the tiny corpora)
+    left_by_tour = None
     for cmd in all_commands():
+        if left_by_tour is None and cmd.page != "README.md":  # the tour is done: what did it leave?
+            left_by_tour = sorted(p.name + "/" * p.is_dir() for p in tmp_path.iterdir() if p.name not in fixtures)
         words = _strip_env(cmd.words)
         why = not_run_reason(words)
         out_dir = _take(words, ("--out",)) or next((w.split("=", 1)[1] for w in words if w.startswith("log.name=")), None)
@@ -508,6 +515,9 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
         ran.append(cmd)
         took.append(f"  {time.monotonic() - t:5.1f} s  {cmd}")
     assert not missing, "\n".join(missing)
+    # The tour writes under the folders a clone ignores (data/, runs/): nothing untracked in its root.
+    untracked = [name for name in left_by_tour if subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT).returncode]
+    assert left_by_tour and not untracked, f"the tour leaves {untracked} in the repository's root"
     with capsys.disabled():
         print(f"\ndocumented commands: {len(ran)} ran, {len(skipped)} validated only")
         print("\n".join(took))

@@ -289,7 +289,8 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
     """`distlm train` as a user runs it: stdout through a pipe, stderr on a terminal (a
     pseudo-terminal, so the progress bar is drawn). With log.every=50 the first row is the first
     step's; it says step 1/2000, elapsed and ETA, and the bar drawn after it says the same.
-    Ctrl-C then stops the run: its last step's row is written. Where x86 oneDNN can be capped
+    Ctrl-C then stops the run: its last step's row is written, and the status is 130, as for
+    any process Ctrl-C ended (a script must not take it for a finished run). Where x86 oneDNN can be capped
     at AVX2 (no fast bf16), Newton-Schulz must have been measured and put in fp32."""
     x86 = platform.machine() in ("x86_64", "AMD64")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -313,7 +314,7 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
                 proc.send_signal(signal.SIGINT)  # the user has seen the run move, and stops it
                 break
         out.extend(proc.stdout)
-        assert proc.wait(timeout=300) == 0, "".join(out)
+        assert proc.wait(timeout=300) == 130, "".join(out)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -331,3 +332,60 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
     if x86:
         assert "optim.muon_ns_dtype=auto: fp32 for Newton-Schulz" in stdout, stdout
         assert "muon_ns_dtype: fp32" in (tmp_path / "follow" / "config.yaml").read_text()
+
+
+# ---- a crash: the tour's step 5 ---------------------------------------------------------
+# The tour's command (README step 5) with the tiny preset's own checkpoint schedule, on a
+# smaller model and random tokens so that three 300-step runs fit in a test.
+CRASH = ["--config", "tiny", "train.max_steps=300", "train.device=cpu", "data.source=synthetic",
+         "model.vocab_size=512", "model.n_layer=1", "model.d_model=64", "model.d_ff=128", "log.samples=0",
+         "log.progress=false", "log.tensorboard=false", "log.every=10"]
+
+
+def _train(tmp_path, *args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return [sys.executable, "-m", "distlm", "train", *CRASH, f"log.root={tmp_path}", *args], env
+
+
+def test_a_run_killed_with_kill_9_midway_resumes_bit_exactly(tmp_path):
+    """kill -9 gives the Trainer no chance to save: what is left is the preset's periodic
+    checkpoints, which its log announces. Killed past its first checkpoint and before its end,
+    the run resumes from that checkpoint with the tour's command + train.resume=auto and ends
+    with the uninterrupted run's losses, bit for bit."""
+    cmd, env = _train(tmp_path, "log.name=ref")
+    ref = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert "checkpoints: every 100 steps (train.checkpoint_every) and at the end; a crash loses at most 100 steps" \
+        in ref.stdout, ref.stdout
+    # where it writes, resolved, and the log.every given kept (300 steps would otherwise adapt)
+    assert f"paths: run folder {(tmp_path / 'ref').resolve()} (log.root={tmp_path}), data.source=synthetic" \
+        in ref.stdout, ref.stdout
+    assert "log.every=auto" not in ref.stdout and [r["step"] for r in rows(tmp_path / "ref")][:3] == ["1", "10", "20"]
+
+    cmd, env = _train(tmp_path, "log.name=crash")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "crash" / "checkpoints"
+    try:
+        while not ckpt.list_checkpoints(root)[0]:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            threading.Event().wait(0.02)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    kept = ckpt.list_checkpoints(root)[0]
+    assert kept and all(p.name != "step_0000300" for p in kept), kept  # killed midway, not after the end
+
+    cmd, env = _train(tmp_path, "log.name=crash", "train.resume=auto")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    resumed = int(re.search(r"resumed from \S+ \(step (\d+),", again.stdout).group(1))
+    assert 100 <= resumed < 300 and "done: step 300" in again.stdout, again.stdout
+
+    def losses(run):
+        return {r["step"]: (r["loss"], r["lr"], r["grad_norm"]) for r in rows(tmp_path / run)}
+
+    mine, theirs = losses("crash"), losses("ref")
+    after = [s for s in theirs if int(s) > resumed]
+    assert after and all(mine[s] == theirs[s] for s in after), [(s, mine.get(s), theirs[s]) for s in after]

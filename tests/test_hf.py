@@ -253,3 +253,41 @@ def test_cli_export(tmp_path, bpe, capsys):
     make_run(tmp_path / "bad", bpe, position="rope", norm="layernorm", mlp="swiglu")
     assert main(["export", str(tmp_path / "bad"), str(tmp_path / "hf2")]) == 2
     assert "model.norm=layernorm" in capsys.readouterr().err
+
+
+def gpt2_config(folder, **kw):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 3, "n_head": 4, "n_embd": 64,
+                                                    "n_positions": 256, "vocab_size": 300, **kw}))
+    return folder
+
+
+def test_from_hf_says_what_it_takes_from_the_folder(tmp_path):
+    from distlm.cli.verbs import _model_fields_given
+    from distlm.config import load_config
+    from distlm.interop.hf_load import from_hf_settings
+    hf = gpt2_config(tmp_path / "hf")
+    cfg = load_config(None, [f"init.from_hf={hf}"])
+    line = from_hf_settings(cfg.model, hf, _model_fields_given(None, [f"init.from_hf={hf}"]))
+    assert line.startswith(f"init.from_hf={hf}: a Hugging Face gpt2 model; its weights start the run; "
+                           f"from its config.json: model.n_layer=3, model.n_head=4, model.d_model=64, "
+                           f"model.d_ff=256, model.position=learned,"), line
+    assert line.endswith("model.block_size=128, its first 128 of 256 positions (model.block_size=256 for all)"), line
+    # a setting the user gave that agrees with the folder is fine
+    agreed = ["model.n_layer=3", "model.position=learned"]
+    from_hf_settings(load_config(None, agreed).model, hf, _model_fields_given(None, agreed))
+
+
+@pytest.mark.parametrize("given, said", [
+    (["model.position=sinusoidal"], "model.position=sinusoidal (the folder's is learned)"),
+    (["--config", "tiny"], "model.n_layer=4 (the folder's is 3), model.d_model=128 (the folder's is 64), "
+                           "model.d_ff=512 (the folder's is 256), model.position=sinusoidal (the folder's is learned)"),
+], ids=["override", "preset"])
+def test_from_hf_refuses_a_setting_the_folder_contradicts(tmp_path, capsys, given, said):
+    from distlm.cli import main
+    hf = gpt2_config(tmp_path / "hf")
+    assert main(["train", *given, f"init.from_hf={hf}", "data.source=synthetic", "train.device=cpu",
+                 f"log.root={tmp_path}", "log.name=r"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: init.from_hf={hf}: {said}; the architecture comes from the folder" in err, err
+    assert not (tmp_path / "r").exists()

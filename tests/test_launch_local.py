@@ -13,8 +13,8 @@ from distlm.cli import main
 from distlm.launch.local import torchrun_args
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", "tiny", "train.max_steps=2", "train.device=cpu", "parallel.dp_replicate=2",
-        "train.micro_batch_size=8", "log.progress=false", "log.tensorboard=false", "log.samples=0",
+# The tiny preset as it ships (its micro-batch left to auto), so the same command runs on 2 ranks.
+TINY = ["--config", "tiny", "train.max_steps=2", "train.device=cpu", "parallel.dp_replicate=2", "log.progress=false", "log.tensorboard=false", "log.samples=0",
         "train.eval_every=0", "train.checkpoint_every=0"]
 
 
@@ -42,10 +42,63 @@ def test_two_ranks_train_and_read_the_launchers_bytecode_folder(tmp_path):
     assert (tmp_path / "r" / "metrics.csv").is_file()
 
 
-def test_a_ranks_error_is_the_commands_exit_status(tmp_path):
-    proc = launch([*TINY, f"data.dir={tmp_path / 'nowhere'}", f"log.root={tmp_path}"], {}, tmp_path)
+def test_a_ranks_error_is_one_line_from_rank_0_and_the_commands_exit_status(tmp_path):
+    """A config the ranks refuse (the launcher does not build the model): one line from rank 0,
+    exit 2, and nothing else on stderr: neither torchrun's lines about the rank that exited nor
+    its traceback."""
+    proc = launch([*TINY, "data.source=synthetic", f"log.root={tmp_path}", "log.name=r", "train.fp8=tensorwise"], {},
+                  tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"error: {tmp_path / 'nowhere' / 'manifest.json'}: not found" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: train.fp8=tensorwise needs a CUDA GPU"), \
+        proc.stderr
+
+
+@pytest.mark.parametrize("wrong, said", [
+    (["parallel.dp_replicate=1"], "but the world size is 2; add parallel.dp_replicate=2"),
+    (["data.dir=NOWHERE"], "NOWHERE/manifest.json: not found"),
+    (["model.n_layer=64", "model.d_model=8192", "model.n_head=64", "model.d_ff=32768"],
+     "needs about 1,617.6 GiB but this machine's RAM, shared by its 2 processes, has"),
+], ids=["world-size", "data", "memory"])
+def test_what_needs_no_gpu_is_refused_before_a_rank_starts(tmp_path, monkeypatch, capsys, wrong, said):
+    import distlm.launch.local as local
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(local, "run_torchrun", no_launch)
+    wrong = [w.replace("NOWHERE", str(tmp_path / "nowhere")) for w in wrong]
+    said = said.replace("NOWHERE", str(tmp_path / "nowhere"))
+    data = [] if any(w.startswith("data.") for w in wrong) else ["data.source=synthetic"]
+    assert main(["train", "--nproc-per-node", "2", *TINY, *data, *wrong, f"log.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
+def test_torchruns_own_lines_are_kept_only_where_no_rank_said_why(monkeypatch, capsys):
+    """A rank that exited 2 or 3 has said why in one line: torchrun's lines about it would
+    repeat it. After a crash (a traceback, exit 1) they say which rank failed: written."""
+    import logging
+
+    import torch.distributed.run as run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from distlm.launch.local import run_torchrun
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("torch.distributed").addHandler(handler)
+    try:
+        for status, kept in ((2, False), (3, False), (1, True)):
+            def fake(args, status=status):
+                logging.getLogger("torch.distributed.elastic.multiprocessing.api").error("failed (exitcode: %d)",
+                                                                                        status)
+                failure = ProcessFailure(local_rank=0, pid=1, exitcode=status, error_file="")
+                raise ChildFailedError("distlm", {0: failure})
+
+            monkeypatch.setattr(run, "main", fake)
+            assert run_torchrun(["x"]) == (status, None)
+            err = capsys.readouterr().err
+            assert (f"failed (exitcode: {status})" in err) is kept, (status, err)
+    finally:
+        logging.getLogger("torch.distributed").removeHandler(handler)
 
 
 def test_it_is_refused_inside_a_launch_and_for_no_processes(monkeypatch, capsys):

@@ -5,6 +5,7 @@ resuming a killed prepare, and --shard I/N parts merged into what one prepare ma
 same manifest.json apart from its one timing field, "created".
 """
 import hashlib
+import gzip
 import json
 import os
 import signal
@@ -370,7 +371,8 @@ def test_parts_merged_equal_one_prepare(tmp_path, monkeypatch, val_fraction, par
     assert run(inputs, tmp_path / "merged", **kw) == load_manifest(tmp_path / "merged")  # up to date
 
 
-def test_a_lone_document_in_parts_is_split_by_tokens_as_in_one_prepare(tmp_path):
+def test_a_lone_document_in_parts_is_split_by_tokens_as_in_one_prepare(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "PART_MIN_CHARS", 1)  # two tiny files: a unit each, so a part each
     (tmp_path / "one.txt").write_text(make_docs(1, lo=400, hi=401)[0])
     (tmp_path / "empty.txt").write_text("   \n")
     inputs = [tmp_path / "one.txt", tmp_path / "empty.txt"]
@@ -380,6 +382,46 @@ def test_a_lone_document_in_parts_is_split_by_tokens_as_in_one_prepare(tmp_path)
     merged = prep.merge([str(tmp_path / "p0"), str(tmp_path / "p1")], tmp_path / "merged", progress=False)
     assert merged["split_method"] == "single-document-tail"
     assert_same(merged, tmp_path / "merged", single, tmp_path / "single")
+
+
+def test_a_few_files_spread_evenly_over_the_parts(tmp_path, monkeypatch):
+    """One big JSONL and two small files over 3 parts: the big file is cut, so each part gets
+    about a third of the bytes (whole files went to part 0, leaving parts 1 and 2 empty), and
+    the merge is still the one prepare's folder, byte for byte."""
+    monkeypatch.setattr(prep, "PART_MIN_CHARS", 1 << 10)
+    docs = make_docs(120, seed=3)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "big.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[:110]) + "\n")
+    (tmp_path / "in" / "b.txt").write_text(docs[110])
+    (tmp_path / "in" / "c.txt").write_text(docs[111])
+    inputs = [tmp_path / "in"]
+    single = run(inputs, tmp_path / "single", shard_tokens=2000)
+    total = single["stats"]["text_bytes"]
+    parts = [run(inputs, tmp_path / f"p{i}", shard=f"{i}/3", shard_tokens=2000) for i in range(3)]
+    shares = [m["stats"]["text_bytes"] / total for m in parts]
+    assert all(0.2 < share < 0.47 for share in shares), shares
+    merged = prep.merge([str(tmp_path / f"p{i}") for i in range(3)], tmp_path / "merged", progress=False)
+    assert_same(merged, tmp_path / "merged", single, tmp_path / "single")
+
+
+def test_a_part_that_would_be_empty_is_refused_in_one_line(tmp_path, capsys):
+    """One compressed file is read whole: it cannot be spread over 2 parts. The part that
+    would get nothing says so, exit 2, and writes nothing."""
+    from distlm.cli import main
+    docs = make_docs(20, seed=4)
+    with gzip.open(tmp_path / "one.txt.gz", "wt") as f:
+        f.write("\n\n".join(docs))
+    said = []
+    for i in range(2):
+        code = main(["prepare", str(tmp_path / "one.txt.gz"), "--out", str(tmp_path / f"p{i}"), "--shard", f"{i}/2",
+                     "--quiet", "--separator", "\n\n"])
+        said.append((code, capsys.readouterr().err))
+    empty = [(i, err) for i, (code, err) in enumerate(said) if code != 0]
+    assert len(empty) == 1 and said[1 - empty[0][0]][0] == 0, said
+    i, err = empty[0]
+    assert said[i][0] == 2 and err.count("\n") == 1, err
+    assert f"--shard {i}/2: part {i} would be empty" in err and err.rstrip().endswith("use at most 1 part"), err
+    assert not (tmp_path / f"p{i}").exists() and not list(tmp_path.glob(f".p{i}*"))
 
 
 def test_merge_refuses_parts_that_do_not_belong_together(tmp_path):

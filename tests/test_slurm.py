@@ -338,3 +338,17 @@ def test_the_launch_runs_what_the_dry_run_prints(tmp_path, node):
     assert [str(tmp_path / "python"), *ran] == expected
     assert f"node {node} (" in real.stderr  # each node logs its command before starting it
     assert (tmp_path / "log" / "scontrol.log").read_text().split() == ["requeue", "4242"]  # unfinished: requeued
+
+
+@pytest.mark.dist
+def test_sbatch_a_users_error_is_one_line_and_exit_2(tmp_path):
+    """A config the rank refuses, under the batch script: the rank's one line is all that is
+    said of it (no torchrun traceback, no summary of the rank that exited), and the job's
+    status is 2, not 1."""
+    proc, log, run = batch(tmp_path, "run", "tiny", *TINY, "model.n_head=5")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, out
+    # besides the script's line on the job and the node's command line
+    said = [line for line in out.splitlines() if line.strip() and " job 4242 attempt 0: " not in line
+            and not line.startswith("node 0 (")]
+    assert said == ["error: model.d_model=64 is not divisible by model.n_head=5"], out

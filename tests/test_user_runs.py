@@ -254,18 +254,19 @@ def test_every_config_field_is_either_kept_or_free_on_resume():
 
 
 # ---- item 8: a short run draws a curve ---------------------------------------------------
-def test_log_interval():
-    assert [log_interval(50, n) for n in (5, 30, 300, 700, 100_000)] == [1, 1, 15, 35, 50]
+def test_log_interval_adapts_only_when_auto():
+    assert [log_interval(None, n) for n in (5, 30, 300, 700, 100_000)] == [1, 1, 10, 10, 10]
+    assert [log_interval(50, n) for n in (5, 30, 300, 100_000)] == [50, 50, 50, 50]  # a number is kept
 
 
 def test_a_short_run_logs_about_20_points_and_plots_them(tmp_path, tiny_data):
-    """30 steps with log.every=50 (the tiny preset's): a row per step, the final evaluation
-    merged into the last row, and a curve across the plot."""
+    """30 steps with log.every left to auto (the tiny preset's): a row per step, the final
+    evaluation merged into the last row, and a curve across the plot."""
     from distlm.train.trainer import Trainer
     cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=30", "train.eval_every=0",
                                       "log.samples=0", "log.tensorboard=false", f"log.root={tmp_path}",
                                       "log.name=short"])
-    assert cfg.log.every == 50
+    assert cfg.log.every is None
     Trainer(cfg).train()
     rows = metrics(tmp_path / "short")
     assert [r["step"] for r in rows] == [str(s) for s in range(1, 31)]

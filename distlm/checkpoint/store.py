@@ -407,7 +407,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     complete, _ = list_checkpoints(root)
     if not complete:
-        raise CheckpointError(f"no complete checkpoint under {p}")
+        from distlm.folders import checkpoints_near, describe
+        raise CheckpointError(f"no complete checkpoint under {p}: {describe(p)}; {checkpoints_near(p)}")
     return complete[-1]
 
 

@@ -18,8 +18,13 @@ signature is its command line (signature.py builds the argparse parser from it).
 
 Conventions: config settings are `section.key=value` overrides, anywhere on the line, never
 flags (`--max-steps 5` is refused with the override to write instead); a flag given twice is
-an error; a user error is one line on stderr, `error: ...`, exit 2 (3 when training had to
-stop); under torchrun only rank 0 prints it.
+an error; a user error is one line on stderr, `error: ...`; under `distlm train
+--nproc-per-node N` and the SLURM script only rank 0 prints it and nothing else follows (a
+bare torchrun adds its own summary after it). Exit status, the same for `distlm train`,
+`distlm train --nproc-per-node N` and the SLURM script's srun step: 0 finished; 2 the user's
+error (config, data, memory, layout, a missing or damaged checkpoint); 3 training had to stop
+(a checkpoint that cannot be written, non-finite values); 128 + the signal when a signal
+stopped the run after saving (130 Ctrl-C, 143 SIGTERM); 1 a crash (a traceback).
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from distlm.cli.signature import add_verb, call, takes
 from distlm.cli.verbs import env, evaluate, export, plan, plot, predict, prepare, train
 from distlm.config import SECTIONS, ConfigError, list_presets
 from distlm.data import DataError
+from distlm.errors import AgreedError
 
 VERBS: dict[str, Callable[..., int]] = {
     "prepare": prepare,
@@ -124,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _take_overrides(parser.verb_parsers[args.verb], args, extra, argv)
         return call(args._fn, args)
     except (ConfigError, DataError) as e:
-        print_error(str(e))
+        print_error(str(e), agreed=isinstance(e, AgreedError))
         return 2
     except Exception as e:
         status = _status_of(e)
@@ -169,17 +175,18 @@ def _status_of(e: Exception) -> Optional[int]:
     return None
 
 
-def print_error(message: str) -> None:
+def print_error(message: str, agreed: bool = False) -> None:
     """Under torchrun every rank parses the same command line, so a config error is the same
     everywhere and rank 0's copy is enough. Once the process group is up an error can be one
     rank's own (its GPU's memory, its node's files): the other ranks then say theirs too, with
     their rank, or a job could fail with no word of why (seen on a GPU run: rank 1 exited 2,
-    silent, rank 0 killed)."""
+    silent, rank 0 killed). An ``agreed`` error is every rank's alike (decided on values the
+    ranks agreed on): rank 0's copy is enough again."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print(f"error: {message}", file=sys.stderr)
         return
-    if _process_group_up():
+    if _process_group_up() and not agreed:
         print(f"error (rank {rank}): {message}", file=sys.stderr)
 
 

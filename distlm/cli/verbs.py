@@ -45,7 +45,8 @@ def prepare(
     max_len: Annotated[int, "classify: tokens kept per text (truncate, then pad)"] = 128,
     val_input: Annotated[Optional[str], "classify: a file with the held-out rows"] = None,
     split_field: Annotated[str, "classify: a column saying train or val/test, used when the data has it"] = "split",
-    shard: Annotated[Optional[str], "I/N: prepare only part I (0..N-1) of the inputs, for --merge"] = None,
+    shard: Annotated[Optional[str], "I/N: prepare only part I (0..N-1) of the inputs, about 1/N of their bytes "
+                                    "(big files are cut), for --merge; a part that would be empty is refused"] = None,
     merge: Annotated[Sequence[str], "PART_DIR...: join the parts made with --shard I/N into --out"] = (),
 ) -> int:
     """Tokenize text into token shards and a manifest.
@@ -107,8 +108,14 @@ def train(
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
         return 0
+    if cfg.init.from_hf and cfg.task.name == "lm":
+        from distlm.interop.hf_load import from_hf_settings
+        said = from_hf_settings(cfg.model, cfg.init.from_hf, _model_fields_given(config, overrides),
+                                resume=cfg.train.resume != "never")
+        if nproc_per_node == 1 and os.environ.get("RANK", "0") == "0":
+            print(said, flush=True)
     if nproc_per_node != 1:
-        return _launch_train(nproc_per_node, config, overrides)
+        return _launch_train(cfg, nproc_per_node, config, overrides)
     from distlm.train.trainer import Trainer
     trainer = Trainer(cfg)
     summary = trainer.train()
@@ -122,18 +129,49 @@ def train(
         scored = f"val loss {val:.4f}" + (f" on {on}" if on else "") if on or (val is not None and val == val) \
             else "no validation (no val split to score)"
         print(f"done: step {summary['step']}, {scored}, checkpoint {summary['checkpoint']}")
+    if summary.get("signal"):
+        # Saved and stopped, but not finished: the shell's status for a process the signal
+        # ended, so that a script or CI tells an interrupted run from a finished one.
+        import signal
+        return 128 + int(signal.Signals[summary["signal"]])
     return 0
 
 
-def _launch_train(nproc: int, config: Optional[str], overrides: Sequence[str]) -> int:
+def _model_fields_given(config: Optional[str], overrides: Sequence[str]) -> set[str]:
+    """The model.* fields the --config file (or preset) and the overrides set: a user's
+    settings, as opposed to the defaults."""
+    from distlm.config import _preset_path, _read_yaml
+    given: set[str] = set()
+
+    def take(model) -> None:
+        if isinstance(model, str):  # model: PRESET, a preset's architecture
+            model = _read_yaml(_preset_path(model)).get("model") or {}
+        if isinstance(model, dict):
+            given.update(model)
+
+    if config:
+        take(_read_yaml(_preset_path(config)).get("model"))
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "model":
+            take(value)
+        elif key.startswith("model."):
+            given.add(key[len("model."):])
+    return given
+
+
+def _launch_train(cfg, nproc: int, config: Optional[str], overrides: Sequence[str]) -> int:
     """`distlm train --nproc-per-node N`: the same command, without the flag, in N ranks that
-    torchrun's entry point starts from this process (distlm/launch/local.py says why)."""
-    from distlm.launch.local import launch, under_launcher
+    torchrun's entry point starts from this process (distlm/launch/local.py says why). What
+    the ranks would refuse without a GPU (the layout, the batch on N processes) is refused
+    here, before any is started."""
+    from distlm.launch.local import check_before_launch, launch, under_launcher
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc}: expected a number of processes, 1 or more")
     if under_launcher():
         raise ConfigError("--nproc-per-node: this process is already one rank of a launch (LOCAL_RANK is "
                           "set); give the process count to the launcher, not to each rank")
+    check_before_launch(cfg, nproc)
     status, said = launch(nproc, ["train", *(["--config", config] if config else []), *overrides])
     if said:
         print(said, file=sys.stderr)
@@ -189,10 +227,13 @@ def evaluate(
     # a smaller last batch costs no compilation).
     val = val_micro_batches(blocks, batches, cfg.train.micro_batch_size, keep_tail=True)
     total = rows = 0.0
+    # tqdm's disable=None: a bar on a terminal; in a pipe or a log file, where a bar would be
+    # thousands of redraws, a line at each tenth instead, so a long evaluation is seen to move
+    # (from 10 batches: a shorter one is done before a line would help)
+    tenths = set() if sys.stderr.isatty() or len(val) < 10 else {math.ceil(len(val) * k / 10) for k in range(1, 10)}
     with torch.no_grad():
-        # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
-        for x, y, weight in tqdm(val.weighted(), total=len(val), desc="eval", unit="batch", leave=False,
-                                 disable=None):
+        for i, (x, y, weight) in enumerate(tqdm(val.weighted(), total=len(val), desc="eval", unit="batch",
+                                                leave=False, disable=None), 1):
             # The shards are not re-hashed here: an id past the model's vocabulary would be an
             # IndexError in the embedding (a device assert on CUDA), so each batch is checked.
             top, low = int(torch.maximum(x.max(), y.max())), int(torch.minimum(x.min(), y.min()))
@@ -202,6 +243,8 @@ def evaluate(
                                 f"vocabulary of {cfg.model.vocab_size} (damaged or edited shards)")
             total += float(lm_loss(loaded.model(x.to(dev)), y.to(dev))) * weight
             rows += weight
+            if i in tenths:
+                print(f"eval: {i}/{len(val)} batches", file=sys.stderr, flush=True)
     if not rows:
         from distlm.data import DataError
         raise DataError(f"{data_dir}: the '{split}' split holds no block of {cfg.model.block_size} tokens")

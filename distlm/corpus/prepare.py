@@ -31,8 +31,9 @@ candidates for the fallbacks). A run killed outright leaves the folder behind; t
 inputs, options and plan adopts it, truncates the open shard to the journaled length and
 goes on from the next unit, giving the same bytes as an uninterrupted run.
 
-Parts: ``shard=(I, N)`` prepares only the I-th of N contiguous runs of the inputs
-(balanced by size) and skips the fallbacks; ``merge`` streams the N parts, in order, into
+Parts: ``shard=(I, N)`` prepares only the I-th of N contiguous runs of the inputs' units
+(balanced by bytes; a big file is cut into several, so a few files still spread over N
+parts) and skips the fallbacks; ``merge`` streams the N parts, in order, into
 the folder that one ``prepare`` of all the inputs makes, byte for byte.
 
 Re-running with the same inputs (paths, sizes, mtimes) and options is a no-op.
@@ -66,6 +67,7 @@ from distlm.corpus.shards import Router, ShardWriter
 from distlm.corpus.shards import ShardWriter as _ShardWriter  # noqa: F401 (tests patch it here)
 from distlm.corpus.sources import input_files, plan_units, pretokenized_inputs, resolve_inputs, source_files
 from distlm.corpus.split import SPLITS, TRAIN, VAL, fallback
+from distlm.corpus.units import Unit
 from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
                          same_tokenizer, shards_present, verify_shards)
 from distlm.data import tokenizer as tkz
@@ -83,6 +85,7 @@ POOL_MIN_BYTES = 1 << 20  # smaller inputs: starting worker processes costs more
 TASK_CHARS = 8 << 20
 TASK_MIN_CHARS = 1 << 20
 TASKS_PER_CORPUS = 512
+PART_MIN_CHARS = 64 << 10  # --shard I/N: the smallest unit cut to spread a small corpus over the parts
 # A journal line (and the fsyncs before it) at most this often: a kill loses at most this much work,
 # and on a network file system, where an fsync can take tens of ms, syncing stays a small cost.
 JOURNAL_SECONDS = 1.0
@@ -122,20 +125,22 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
     resolved = [(k, src) for k, raw in enumerate(inputs) for src in resolve_inputs([raw], out_dir)]
     per_source = [[(f, f.stat().st_size) for f in source_files(src)] for _, src in resolved]
     fingerprint = inputs_fingerprint([f for fs in per_source for f, _ in fs], options)
-    chosen = (list(range(len(resolved))) if part is None
-              else _part_members([sum(n for _, n in fs) for fs in per_source], *part))
+    total = sum(n for fs in per_source for _, n in fs)
+    files = input_files([src for _, src in resolved])
+    if part is None:
+        units, owned, touched = plan_units(files, separator, task_chars(total)), range(len(resolved)), None
+    else:
+        units, owned, touched = _part_units(resolved, files, separator, total, *part)
     sources = [{"path": raw, "files": 0, "bytes": 0} for raw in inputs]
-    for j in chosen:
+    for j in owned:
         sources[resolved[j][0]]["files"] += len(per_source[j])
         sources[resolved[j][0]]["bytes"] += sum(n for _, n in per_source[j])
     own = fingerprint if part is None else inputs_fingerprint(
-        [f for j in chosen for f, _ in per_source[j]], {**options, "shard": list(part)})
+        [f for j in touched for f, _ in per_source[j]], {**options, "shard": list(part)})
     old = read_json(out_dir / MANIFEST)
     if old and old.get("inputs_fingerprint") == own and shards_present(out_dir, old):
         print(f"{out_dir}: up to date")
         return old
-    files = input_files([resolved[j][1] for j in chosen])
-    units = plan_units(files, separator, task_chars(sum(n for j in chosen for _, n in per_source[j])))
     plan = hashlib.sha256(json.dumps([u.as_list() for u in units]).encode()).hexdigest()
     header = {"journal": 1, "inputs": own, "plan": plan, "units": len(units)}
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -146,7 +151,7 @@ def prepare(inputs: list[str], out_dir: Path, *, tokenizer: str = "gpt2", val_fr
         if resumed is None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        workers = workers or _default_workers(sum(n for j in chosen for _, n in per_source[j]))
+        workers = workers or _default_workers(sum(u.size for u in units))
         body = prepare_text(inputs, out_dir, tmp, options, units, len(files), header, resumed, workers, progress,
                             part, journal_seconds=JOURNAL_SECONDS, cache_chars=CACHE_CHARS,
                             ahead_bytes=(2 * workers + 1) * TASK_CHARS)
@@ -248,16 +253,47 @@ def _parse_shard(shard) -> tuple[int, int] | None:
     return index, count
 
 
-def _part_members(sizes: list[int], index: int, count: int) -> list[int]:
-    """The sources of part ``index``: each goes to the part in which its first byte falls when
-    all inputs' bytes, in order, are cut into ``count`` equal runs. Contiguous runs, so the
-    parts one after another are the inputs in order, as ``merge`` needs."""
-    total, pos, members = sum(sizes), 0, []
-    for j, size in enumerate(sizes):
-        if (pos * count // total if total else j * count // len(sizes)) == index:
-            members.append(j)
+def _part_units(resolved: list, files: list, separator: str | None, total: int, index: int,
+                count: int) -> tuple[list[Unit], list[int], list[int]]:
+    """Part ``index`` of ``count``: (its units, the sources it accounts for, the sources it reads).
+
+    The whole corpus is cut into units (whole small files, ranges of big ones: distlm/corpus/
+    units.py), at least 8 a part where the files allow, so that the parts come out within
+    about an eighth of each other; each unit goes to the part in which its middle byte falls
+    when all the units' bytes, in order, are cut into ``count`` equal runs (the pieces of one
+    long document go with it). Contiguous runs of units, so the parts one after another are
+    the inputs in order, as ``merge`` needs, however few files there are. A source is
+    accounted for by the part that finishes its last file. DataError naming the part where it
+    would be empty (the inputs cut into fewer units than parts: one compressed file is one)."""
+    target = min(task_chars(total), max(PART_MIN_CHARS, total // (8 * count)))
+    units = plan_units(files, separator, target)
+    blocks: list[list[Unit]] = []
+    for u in units:
+        if u.kind == "piece" and blocks:
+            blocks[-1].append(u)
+        else:
+            blocks.append([u])
+    mine, pos, whole = [], 0, sum(u.size for u in units)
+    for block in blocks:
+        size = sum(u.size for u in block)
+        at = (2 * pos + size) * count // (2 * whole) if whole else len(mine) * count // len(blocks)
+        if min(at, count - 1) == index:
+            mine += block
         pos += size
-    return members
+    if not mine:
+        biggest = max((sum(u.size for u in b) for b in blocks), default=0)
+        raise DataError(f"--shard {index}/{count}: part {index} would be empty: the inputs ({total:,} bytes) make "
+                        f"only {len(blocks)} unit(s) of work, the largest {biggest:,} bytes (small files are grouped "
+                        f"up to {target:,} bytes; a compressed or Arrow file is read whole); use at most "
+                        f"{len(blocks)} part{'s' if len(blocks) > 1 else ''}")
+    counts = [len(input_files([src])) for _, src in resolved]  # each source's input files, in order
+    starts = [sum(counts[:j]) for j in range(len(counts))]
+    finished = {f for u in mine for f in range(u.first, u.files_done())}
+    reads = {f for u in mine for f in range(u.first, u.first + len(u.paths))}
+    # a source with no file to read (an empty HF folder) is part 0's to account for
+    owned = [j for j, (a, n) in enumerate(zip(starts, counts)) if (a + n - 1 in finished if n else index == 0)]
+    touched = [j for j, (a, n) in enumerate(zip(starts, counts)) if any(a <= f < a + n for f in reads)]
+    return mine, owned, touched
 
 
 def task_chars(total_bytes: int) -> int:

@@ -44,6 +44,17 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _trained_on(folder: Path, kind: str) -> str:
+    """'; the run trained on data.dir=D' from a run's (or its checkpoint's run's) config.yaml."""
+    import yaml
+    config = (folder if kind == "run" else folder.parent.parent) / "config.yaml"
+    try:
+        data_dir = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("dir")
+    except (OSError, AttributeError, yaml.YAMLError):  # no readable config: no hint, the error stands
+        return ""
+    return f"; the run trained on data.dir={data_dir}" if isinstance(data_dir, str) and data_dir else ""
+
+
 def load_manifest(data_dir: str | Path, *, part_ok: bool = False) -> dict:
     """The manifest of a prepared folder; DataError naming the path if missing or invalid.
     A part of a sharded prepare (``prepare --shard I/N``) holds only some inputs, its splits
@@ -52,6 +63,11 @@ def load_manifest(data_dir: str | Path, *, part_ok: bool = False) -> dict:
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        from distlm.folders import NAMES, kind_of
+        kind = kind_of(data_dir)
+        if kind in ("run", "checkpoint", "runs", "hf"):  # a folder of another kind: no prepare into it
+            raise DataError(f"{path}: not found; {data_dir} is {NAMES[kind]}, not prepared data"
+                            + _trained_on(Path(data_dir), kind)) from None
         raise DataError(f"{path}: not found; create it with `distlm prepare INPUT... --out {data_dir}`") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror}") from None

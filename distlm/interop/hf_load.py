@@ -156,6 +156,33 @@ def apply_hf_model_config(model_cfg: ModelConfig, path, block_size: int | None =
     return dataclasses.replace(model_cfg, **fields)
 
 
+def from_hf_settings(model_cfg: ModelConfig, path, given: set[str], resume: bool = False) -> str:
+    """init.from_hf's line: what it loads from ``path`` and which model settings it takes from
+    the folder. A model.* setting the user gave (``given``: field names, from the command line
+    and the --config file) that the folder contradicts is refused: the architecture is the
+    folder's, and overriding a value quietly would train another model than the one asked for.
+    model.block_size may be shorter than the folder's (its first positions are kept)."""
+    kind, _ = _read_config(path)
+    fields = model_config_from_hf(path)
+
+    def show(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    conflicts = [f"model.{k}={show(getattr(model_cfg, k))} (the folder's is {show(v)})" for k, v in fields.items()
+                 if k != "block_size" and k in given and not (
+                     math.isclose(getattr(model_cfg, k), v) if isinstance(v, float) else getattr(model_cfg, k) == v)]
+    if conflicts:
+        raise InteropError(f"init.from_hf={path}: {', '.join(conflicts)}; the architecture comes from the folder: "
+                           f"drop the setting, or start from scratch without init.from_hf")
+    taken = ", ".join(f"model.{k}={show(v)}" for k, v in fields.items() if k != "block_size")
+    ctx, theirs = model_cfg.block_size, fields["block_size"]
+    context = (f"model.block_size={ctx}, its first {ctx} of {theirs} positions (model.block_size={theirs} for all)"
+               if ctx < theirs else f"model.block_size={ctx}")
+    weights = "a resume keeps its checkpoint's weights" if resume else "its weights start the run"
+    return (f"init.from_hf={path}: a Hugging Face {kind} model; {weights}; from its config.json: {taken}; "
+            f"{context}")
+
+
 def _refuse_modern_options(model_cfg: ModelConfig, path) -> None:
     """An HF GPT-2/Llama is a model with the modern-block options off. Starting from it
     with QK-norm, a soft-cap, value embeddings or skips on would be another function of

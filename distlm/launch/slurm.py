@@ -253,18 +253,32 @@ def _check_world(config: str, overrides: Sequence[str], world: int) -> None:
                           f"pp={par.pp} = {product}, but the job has {world} GPUs (nodes x GPUs per node)")
 
 
-def exec_node(env: Mapping[str, str], python: str, config: str, overrides: Sequence[str]) -> None:
-    """srun's task on each node: log this node's command, then become it (torchrun then gets
-    srun's signals directly)."""
+def exec_node(env: Mapping[str, str], python: str, config: str, overrides: Sequence[str]) -> int:
+    """srun's task on each node: log this node's command, then run it. With this interpreter,
+    torchrun's entry point runs here (distlm/launch/local.py: a rank's one-line error is the
+    whole of the output, and its status the task's); another ``python`` is exec'd. Either way
+    torchrun gets srun's signals directly."""
     if not env.get("SLURM_NODEID", "").isdigit():
         raise LaunchError(f"SLURM_NODEID={env.get('SLURM_NODEID')!r}: exec-node runs as an srun task")
     rank = int(env["SLURM_NODEID"])
     argv = node_command(env, rank, python, config, overrides)
     print(f"node {rank} ({socket.gethostname()}): {shlex.join(argv)}", file=sys.stderr, flush=True)
+    if _is_this_interpreter(argv[0]):
+        from distlm.launch.local import run_torchrun
+        status, said = run_torchrun(argv[3:])  # after `python -m torch.distributed.run`
+        if said:
+            print(said, file=sys.stderr)
+        return status
     try:
         os.execvp(argv[0], argv)
     except OSError as e:
         raise LaunchError(f"cannot run {argv[0]}: {e.strerror}") from None
+
+
+def _is_this_interpreter(python: str) -> bool:
+    import shutil
+    found = shutil.which(python)
+    return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
 
 
 def write_slurm_meta(run_dir: Path, env: Mapping[str, str]) -> Path:
@@ -326,7 +340,7 @@ def main(argv: list[str]) -> int:
             if argv[0] == "exec-node":
                 if "--nodes" in opts or "--gpus-per-node" in opts:
                     raise LaunchError("--nodes and --gpus-per-node are for dry-run; srun's task takes the allocation's")
-                exec_node(os.environ, python, config, overrides)
+                return exec_node(os.environ, python, config, overrides)
             print(dry_run(os.environ, python, config, overrides, opts.get("--nodes"), opts.get("--gpus-per-node"),
                           opts.get("--margin", 600)))
         elif argv[0] == "slurm-env":

@@ -88,11 +88,12 @@ def host_available_bytes() -> int:
     return have
 
 
-def check_fits(need_bytes: float, have_bytes: float, what: str, where: str, advice: str) -> None:
+def check_fits(need_bytes: float, have_bytes: float, what: str, where: str, advice: str,
+               error: type[ConfigError] = ConfigError) -> None:
     """A one-line ConfigError when ``what`` needs more than ``where`` has: said before
     anything is allocated, so a model that cannot fit never starts to. The estimate is the
     planner's (within 25% of measured peaks, tests/test_planner.py), so only a model past
     everything the device has is refused, not one at the edge."""
     if need_bytes > have_bytes:
-        raise ConfigError(f"{what} needs about {need_bytes / GIB:,.1f} GiB but {where} has "
-                          f"{have_bytes / GIB:,.1f} GiB free; {advice}")
+        raise error(f"{what} needs about {need_bytes / GIB:,.1f} GiB but {where} has "
+                    f"{have_bytes / GIB:,.1f} GiB free; {advice}")

@@ -45,6 +45,20 @@ def _label(name: str, kind: str, points: list) -> str:
     return f"{name} {kind}" + (f" (1 point, step {points[0][0]})" if len(points) == 1 else "")
 
 
+def _loss_unit(run_dirs: list[Path]) -> str:
+    """What one loss value averages over: a language model's is per token, a classifier's per
+    text (its task, from the run's config.yaml; a run without one is taken for a language model)."""
+    import yaml
+    units = set()
+    for run in run_dirs:
+        try:
+            task = ((yaml.safe_load((Path(run) / "config.yaml").read_text()) or {}).get("task") or {}).get("name")
+        except (OSError, AttributeError, yaml.YAMLError):
+            task = None
+        units.add("nats/text" if task == "classify" else "nats/token")
+    return units.pop() if len(units) == 1 else "nats"
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     """The train and validation loss of each run, drawn into ``out``. Raises NothingToPlot
     (nothing written) when no run has a single loss to draw."""
@@ -67,7 +81,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
         if val:
             ax.plot(*zip(*val), "o--", label=_label(name, "val", val), ms=4 if len(val) > 1 else 6)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_ylabel(f"cross-entropy loss ({_loss_unit(run_dirs)})")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

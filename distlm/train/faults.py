@@ -1,7 +1,11 @@
 """What the Trainer does when things go wrong: signals, hangs, non-finite numbers.
 
 - SIGTERM / SIGINT (SLURM preemption, Ctrl-C) only set a flag; the loop finishes the
-  current step, saves, and exits 0. A second Ctrl-C interrupts at once.
+  current step, saves, and exits 128 + the signal (143, 130), as a process the signal
+  ended would, so that a script tells it from a finished run. A second Ctrl-C interrupts
+  at once.
+- A crash no handler sees (kill -9, the OOM killer, a power loss) loses the steps since the
+  newest checkpoint: ``checkpoint_schedule`` says at the start how many that can be.
 - The watchdog is re-armed after every step: if a rank makes no progress for
   ``train.watchdog_s`` it prints its rank, its last step and every thread's Python stack
   to stderr and exits, so a hung collective ends with the place each rank stood instead
@@ -154,6 +158,17 @@ def stop_reason(stop, t_start: float, train_cfg, step: int, dims, comm, device) 
         return None
     flag = comm.max(torch.tensor([1 if reason else 0], device=device))
     return (reason or "another rank asked to stop") if flag.item() else None
+
+
+def checkpoint_schedule(train_cfg) -> str:
+    """The run's line on what a crash would cost: when checkpoints are written."""
+    every, steps = train_cfg.checkpoint_every, train_cfg.max_steps
+    if every and every < steps:
+        return (f"checkpoints: every {every} steps (train.checkpoint_every) and at the end; a crash loses at most "
+                f"{every} steps")
+    why = f"train.checkpoint_every={every}" + (f" >= train.max_steps={steps}" if every else "")
+    return (f"checkpoints: only at the end ({why}); Ctrl-C and SIGTERM save, but a kill -9 or a crash loses "
+            f"the whole run (set train.checkpoint_every=N to save every N steps)")
 
 
 class StopFlag:

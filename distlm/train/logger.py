@@ -31,10 +31,13 @@ SAMPLES_HEADER = "=== step "  # each evaluation's block in samples.txt starts wi
 SAMPLES_LIMIT = 256 << 20  # samples.txt is read whole on resume: a bound on that read
 
 
-def log_interval(every: int, max_steps: int) -> int:
-    """Steps between log rows: log.every, but a short run logs often enough to draw a curve
-    (about 20 points: 30 steps with log.every 50 would otherwise give one)."""
-    return max(1, min(every, max_steps // 20))
+DEFAULT_LOG_EVERY = 10
+
+
+def log_interval(every: Optional[int], max_steps: int) -> int:
+    """Steps between log rows: log.every as given; auto (None) is DEFAULT_LOG_EVERY, but a
+    short run logs often enough to draw a curve (about 20 points)."""
+    return every if every else max(1, min(DEFAULT_LOG_EVERY, max_steps // 20))
 
 
 class RunLogger:

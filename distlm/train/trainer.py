@@ -36,8 +36,9 @@ from distlm.checkpoint.group import background_save_group
 from distlm.train.compile_cache import first_step_report
 from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
-from distlm.train.faults import StopFlag, TrainingStopped, Watchdog, nonfinite_guard, nonfinite_verdict, stop_reason
-from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line, log_interval
+from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, checkpoint_schedule, nonfinite_guard,
+                                 nonfinite_verdict, stop_reason)
+from distlm.train.logger import DEFAULT_LOG_EVERY, Progress, ProgressBar, RunLogger, console_line, log_interval
 from distlm.train.matmul_dtype import MatmulDtypeProbe
 from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
 from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_ns_dtype
@@ -382,6 +383,8 @@ class Trainer:
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G"
                 + (" (N: active parameters; MFU counts them)" if cfg.model.moe.enabled else ""))
             say(self.setup_line)
+            say(self._paths_line())
+            say(checkpoint_schedule(cfg.train))
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         self.lr_clock.start()
         stop_cfg = self.lr_clock.stop_config(cfg.train)
@@ -390,9 +393,10 @@ class Trainer:
         end = plot_import = None  # the end of the run's clock, and the plot's import beside its save
         loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
-        if main and every != cfg.log.every:  # said once, not done quietly
-            say(f"log.every={cfg.log.every}: a row every {every} steps instead, so that this "
-                f"{cfg.train.max_steps}-step run draws about 20 points")
+        if main and cfg.log.every is None and every != DEFAULT_LOG_EVERY:  # said once, not done quietly
+            say(f"log.every=auto: a row every {'step' if every == 1 else f'{every} steps'}, so that this "
+                f"{cfg.train.max_steps}-step run draws "
+                f"about 20 points (a number given for log.every is kept)")
         logged = None  # the step of the newest row
         self.model.train()
         try:
@@ -459,8 +463,20 @@ class Trainer:
                 end.lap("plot")
                 say(end.line(label="end of run"))
         return {"step": self.step, "train_loss": last_loss, "val_loss": last_val, "stopped": stopped,
+                "signal": stop.signal,  # the signal this process received (SIGTERM, SIGINT), if any
                 "checkpoint": str(final["checkpoint"]) if final["checkpoint"] else None,
                 "run_dir": str(self.run_dir), "val_on": self.task.describe_eval()}
+
+    def _paths_line(self) -> str:
+        """Where the run writes and what it reads, resolved: a relative log.root or data.dir
+        names a folder under the directory the command was started in."""
+        cfg = self.cfg
+        line = f"paths: run folder {self.run_dir.resolve()} (log.root={cfg.log.root})"
+        if cfg.data.mix:
+            return line + f", data.mix={cfg.data.mix}"
+        if self.data_dir is not None:
+            return line + f", data {Path(self.data_dir).resolve()} (data.dir={cfg.data.dir})"
+        return line + f", data.source={cfg.data.source}"
 
     def _finish(self, logger, say, stopped: Optional[str], evaluated: bool, last_val: Optional[float],
                 ran: bool, clock: SetupClock) -> dict:

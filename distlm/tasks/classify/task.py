@@ -2,8 +2,8 @@
 
 The Trainer asks its task for each of these and otherwise runs its one loop: the same
 train_step (accumulation, no_sync, clipping, NaN handling), checkpoints, resume, signals
-and logging. Each evaluation also writes, on the main rank, ``RUN/eval.json`` (accuracy,
-macro-F1, confusion matrix), ``RUN/confusion.png`` and a row of ``RUN/classify_metrics.csv``,
+and logging. Each evaluation also writes, on the main rank, ``RUN/eval-val.json`` (accuracy,
+macro-F1, confusion matrix), ``RUN/confusion-val.png`` and a row of ``RUN/classify_metrics.csv``,
 and prints the matrix.
 """
 from __future__ import annotations
@@ -168,8 +168,9 @@ class ClassifyTask:
                    f"{r['examples']:,} examples (majority class {r['majority_baseline']:.4f}), loss {r['val_loss']:.4f}\n"
                    + confusion_text(confusion, self.labels))
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "eval.json", json.dumps(r, indent=1))
-        plot_confusion(confusion, self.labels, run_dir / "confusion.png",
+        # the names `distlm eval` gives its val split's: one file of each, the newest evaluation's
+        atomic_write_text(run_dir / "eval-val.json", json.dumps(r, indent=1))
+        plot_confusion(confusion, self.labels, run_dir / "confusion-val.png",
                        f"step {r['step']}: accuracy {r['accuracy']:.3f}, macro-F1 {r['macro_f1']:.3f}")
         # A resumed run replaces the rows past its step, as metrics.csv does.
         path = run_dir / "classify_metrics.csv"
