@@ -18,9 +18,11 @@ PKG = Path(__file__).resolve().parents[1] / "distlm"
 # dependency); packages that share a floor import nothing from each other. A package is
 # ``distlm.X``: a folder, or a module directly under distlm/.
 FLOORS = [
-    ("distlm.errors", "distlm.io", "distlm.local_shard", "distlm.cache_home", "distlm.host"),
-    ("distlm.layout", "distlm.bytecode"),  # the axes' rules run inside config validation; the
-                                           # program's entry sets the bytecode folder before torch
+    ("distlm.errors", "distlm.local_shard", "distlm.cache_home", "distlm.host", "distlm.folders"),
+    ("distlm.layout", "distlm.bytecode",   # the axes' rules run inside config validation; the
+     "distlm.bounded_yaml", "distlm.io"),  # program's entry sets the bytecode folder before torch;
+                                           # config files are read within their bounds; writers
+                                           # refuse in one line (errors.ConfigError)
     ("distlm.config",),
     ("distlm.device", "distlm.data", "distlm.checkpoint"),
     ("distlm.corpus",),                 # the offline prepare pipeline writes what data/ reads

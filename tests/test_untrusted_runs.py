@@ -160,14 +160,6 @@ def test_keep_last_counts_the_checkpoint_kept_from_before_a_fault(tmp_path):
     assert names(tmp_path / "k") == ["step_0000008", "step_0000012"] and t.protected == ["step_0000008"]
 
 
-def test_an_old_runs_list_of_protected_checkpoints_keeps_only_the_latest(tmp_path):
-    from test_faults import make_trainer
-    t = make_trainer(tmp_path, "old", "train.max_steps=2")
-    state = t.state_dict()
-    t.load_state_dict({**state, "protected": ["step_0000002", "step_0000004", "step_0000006"]})
-    assert t.protected == ["step_0000006"]
-
-
 def test_a_checkpoint_pruned_while_being_read_names_the_race(tmp_path, monkeypatch, capsys):
     from test_checkpoint_safety import fresh_model, save
     from distlm.checkpoint import store

@@ -95,8 +95,9 @@ def test_samples_at_each_evaluation_and_at_the_end(lm_run):
     assert "seeds 0-1" in lines[heads[0]] and "temperature 0.8" in lines[heads[0]] and "top-k 50" in lines[heads[0]]
     for i in heads:
         assert [ln.startswith(f"  >> {PROMPT}") for ln in lines[i + 1:i + 4]] == [True, True, False]
-    # At the end: after the final evaluation, before the last line.
-    assert lines[heads[1] - 1].startswith("final val loss") and lines[heads[1] + 3].startswith("done: step 8")
+    # At the end: after the final evaluation, before the end-of-run line and the last line.
+    assert lines[heads[1] - 1].startswith("final val loss") and lines[heads[1] + 3].startswith("end of run ")
+    assert lines[heads[1] + 4].startswith("done: step 8")
 
     blocks = sample_blocks(run)
     assert sorted(blocks) == [5, 8] and all(len(b) == 2 and b[0].startswith(PROMPT) for b in blocks.values())
