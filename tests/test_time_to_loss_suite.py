@@ -283,3 +283,11 @@ def test_the_launcher_option_starts_distlms_multi_gpu_runs_through_distlm():
     # the default is torchrun
     default = {s.name: s.argv for s in plan(runs)}["speedrun-at-ddp4"]
     assert "torch.distributed.run" in default and "--nproc_per_node=4" in default
+
+
+def test_startup_tool_refuses_a_variant_without_a_distlm_package(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    import startup
+    assert startup.main(["--cpu", "--out", str(tmp_path), "--variant", f"x={tmp_path}:DISTLM_X=1"]) == 2
+    assert "--variant x=" in capsys.readouterr().out
+    assert startup.main(["--cpu", "--out", str(tmp_path), "--variant", "=.:train.seed=1"]) == 2
