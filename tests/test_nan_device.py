@@ -261,7 +261,7 @@ def test_through_a_pipe_and_on_two_processes_a_skipped_step_is_the_one_process_r
     max_nan_skips=1 (warning for 5 on stdout, exit 3 naming 9), then the references of the
     two-process runs. One torchrun launch of 2 processes: DDP with AdamW, FSDP2 with Muon,
     each with a NaN gradient at step 5 only: the same losses and norms as one process."""
-    base = [*RUN, "train.max_steps=12", f"log.root={tmp_path}"]
+    base = [*RUN, "train.max_steps=12", "log.every=1", f"log.root={tmp_path}"]
     muon = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
     stop = [*base, "log.name=stop", "train.max_nan_skips=1", "train.checkpoint_every=4"]
     one = _worker(tmp_path, {"nan_at": [5, 9], "cuda_kernels": True, "cli": True, "jobs": [stop]})

@@ -253,22 +253,20 @@ def _check_world(config: str, overrides: Sequence[str], world: int) -> None:
                           f"pp={par.pp} = {product}, but the job has {world} GPUs (nodes x GPUs per node)")
 
 
-def exec_node(env: Mapping[str, str], python: str, config: str, overrides: Sequence[str]) -> int:
-    """srun's task on each node: log this node's command, then run it. With this interpreter,
-    torchrun's entry point runs here (distlm/launch/local.py: a rank's one-line error is the
-    whole of the output, and its status the task's); another ``python`` is exec'd. Either way
-    torchrun gets srun's signals directly."""
+def exec_node(env: Mapping[str, str], python: str, config: str, overrides: Sequence[str],
+              say=lambda line: None) -> tuple[int, str]:
+    """srun's task on each node: say this node's command, then run it; (exit status, what
+    torchrun's run had to say). With this interpreter, torchrun's entry point runs here
+    (distlm/launch/local.py: a rank's one-line error is the whole of the output, and its status
+    the task's); another ``python`` is exec'd. Either way torchrun gets srun's signals directly."""
     if not env.get("SLURM_NODEID", "").isdigit():
         raise LaunchError(f"SLURM_NODEID={env.get('SLURM_NODEID')!r}: exec-node runs as an srun task")
     rank = int(env["SLURM_NODEID"])
     argv = node_command(env, rank, python, config, overrides)
-    print(f"node {rank} ({socket.gethostname()}): {shlex.join(argv)}", file=sys.stderr, flush=True)
+    say(f"node {rank} ({socket.gethostname()}): {shlex.join(argv)}")
     if _is_this_interpreter(argv[0]):
         from distlm.launch.local import run_torchrun
-        status, said = run_torchrun(argv[3:])  # after `python -m torch.distributed.run`
-        if said:
-            print(said, file=sys.stderr)
-        return status
+        return run_torchrun(argv[3:])  # after `python -m torch.distributed.run`
     try:
         os.execvp(argv[0], argv)
     except OSError as e:
@@ -340,7 +338,11 @@ def main(argv: list[str]) -> int:
             if argv[0] == "exec-node":
                 if "--nodes" in opts or "--gpus-per-node" in opts:
                     raise LaunchError("--nodes and --gpus-per-node are for dry-run; srun's task takes the allocation's")
-                return exec_node(os.environ, python, config, overrides)
+                status, said = exec_node(os.environ, python, config, overrides,
+                                         say=lambda line: print(line, file=sys.stderr, flush=True))
+                if said:
+                    print(said, file=sys.stderr)
+                return status
             print(dry_run(os.environ, python, config, overrides, opts.get("--nodes"), opts.get("--gpus-per-node"),
                           opts.get("--margin", 600)))
         elif argv[0] == "slurm-env":
