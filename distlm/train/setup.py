@@ -5,14 +5,12 @@ Kept apart from the loop so eval, bench and export can build the same pieces.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
-import threading
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from distlm.config import Config, ConfigError
+from distlm.config import Config
 from distlm.parallel import ParallelDims, ParallelPlan, parallelize
 
 
@@ -25,40 +23,6 @@ def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
 # What torch.compile's first use imports: dynamo, AOTAutograd, inductor (and triton on a GPU):
 # 1.8 s on the 2-core box, 3.7-4.5 s on an H200 host (2026-11-27). compile_fx pulls in the rest.
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
-
-
-class BackgroundImport:
-    """Imports modules on a thread of its own while the process does other work, and is joined
-    before the first thing that needs them (the Trainer: the plot's library, beside the final
-    checkpoint's write).
-
-    Python runs one thread at a time, so the import overlaps only work that releases the GIL
-    (a write waiting on the disk). What it imports is what the same process would import
-    anyway; an import that fails is raised again by ``join``, as it would have been without
-    the thread. The thread is a daemon: a process that fails before joining does not wait for it.
-    """
-
-    def __init__(self, modules: Sequence[str], name: str = "background import") -> None:
-        self.modules = tuple(modules)
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=f"distlm {name}", daemon=True)
-
-    def start(self) -> "BackgroundImport":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            for module in self.modules:
-                importlib.import_module(module)
-        except BaseException as e:  # kept for join(): raised in the caller's thread, not lost here
-            self._error = e
-
-    def join(self) -> None:
-        """Wait for the import; raise what it raised."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clock=None) -> ParallelPlan:

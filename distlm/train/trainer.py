@@ -49,11 +49,7 @@ from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
 from distlm.train.memory_check import check_memory
-from distlm.train.setup import BackgroundImport, autocast_dtype, build_model
-
-
-# What loss.png's drawing imports: the import is most of the plot's time at the end of a run.
-PLOT_MODULES = ("matplotlib", "matplotlib.pyplot")
+from distlm.train.setup import autocast_dtype, build_model
 
 
 class Trainer:
@@ -390,7 +386,7 @@ class Trainer:
         stop_cfg = self.lr_clock.stop_config(cfg.train)
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
-        end = plot_import = None  # the end of the run's clock, and the plot's import beside its save
+        end = None  # the end of the run's clock
         loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
         if main and cfg.log.every is None and every != DEFAULT_LOG_EVERY:  # said once, not done quietly
@@ -435,10 +431,8 @@ class Trainer:
                 say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
                     f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
             # The end of a run is a fixed cost like its set-up: timed phase by phase and said in
-            # one line. The plot's library is imported beside the final checkpoint's write, which
-            # waits on the disk without the GIL.
+            # one line.
             end = SetupClock()
-            plot_import = BackgroundImport(PLOT_MODULES, name="plot import").start() if main else None
             final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end)
             last_val = final["val_loss"]
         finally:
@@ -454,8 +448,6 @@ class Trainer:
             if end is not None:
                 end.lap("logs closed")
             try:
-                if plot_import is not None:
-                    plot_import.join()
                 plot_runs([self.run_dir], self.run_dir / "loss.png")
             except NothingToPlot:
                 pass  # a run resumed at its end trained nothing and logged nothing: no empty frame
