@@ -45,6 +45,7 @@ from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.run_context import run_context
 from distlm.train.runlock import RunLock, claim_run_name, holds_no_run
+from distlm.report.plot import NothingToPlot, PlotImport, plot_runs
 from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
@@ -386,7 +387,7 @@ class Trainer:
         stop_cfg = self.lr_clock.stop_config(cfg.train)
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
-        end = None  # the end of the run's clock
+        end = plot_import = None  # the end of the run's clock, and the plot's import beside its save
         loss = grad_norm = None
         every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
         if main and cfg.log.every is None and every != DEFAULT_LOG_EVERY:  # said once, not done quietly
@@ -431,8 +432,10 @@ class Trainer:
                 say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
                     f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
             # The end of a run is a fixed cost like its set-up: timed phase by phase and said in
-            # one line.
+            # one line. The plot's library is imported beside the final checkpoint's write,
+            # which waits on the disk without the GIL.
             end = SetupClock()
+            plot_import = PlotImport() if main else None
             final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end)
             last_val = final["val_loss"]
         finally:
@@ -444,10 +447,11 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         if main:
-            from distlm.report.plot import NothingToPlot, plot_runs
             if end is not None:
                 end.lap("logs closed")
             try:
+                if plot_import is not None:
+                    plot_import.join()
                 plot_runs([self.run_dir], self.run_dir / "loss.png")
             except NothingToPlot:
                 pass  # a run resumed at its end trained nothing and logged nothing: no empty frame
