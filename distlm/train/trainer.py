@@ -432,11 +432,21 @@ class Trainer:
                 say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
                     f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
             # The end of a run is a fixed cost like its set-up: timed phase by phase and said in
-            # one line. The plot's library is imported beside the final checkpoint's write,
-            # which waits on the disk without the GIL.
+            # one line.
             end = SetupClock()
-            plot_import = PlotImport() if main else None
-            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end)
+            # The plot's library is imported beside the final checkpoint's write, which waits
+            # on the disk without the GIL; not earlier: beside the gathering of the state, which
+            # needs the GIL, the import only moved its seconds there (docs/results/time-to-loss.md).
+            started = []
+
+            def end_lap(name: str) -> None:
+                end.lap(name)
+                if main and name == "checkpoint state" and not started:
+                    started.append(PlotImport())
+
+            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end,
+                                 lap=end_lap)
+            plot_import = started[0] if started else None
             last_val = final["val_loss"]
         finally:
             watchdog.disarm()
@@ -475,7 +485,7 @@ class Trainer:
         return line + f", data.source={cfg.data.source}"
 
     def _finish(self, logger, say, stopped: Optional[str], evaluated: bool, last_val: Optional[float],
-                ran: bool, clock: SetupClock) -> dict:
+                ran: bool, clock: SetupClock, lap=None) -> dict:
         """The final checkpoint first, then the final evaluation: an evaluation that fails
         must not cost the last steps. A run resumed at its end trains nothing and logs nothing."""
         self.read_faults()  # the run's last steps, before its last checkpoint and evaluation
@@ -483,7 +493,7 @@ class Trainer:
         # The last step may have been saved by checkpoint_every already: saving it again
         # would move a complete checkpoint aside for a moment, for nothing.
         final = ckpt_dir if self._last_saved_step == self.step or not ran else \
-            self.save(last_val if evaluated else None, lap=clock.lap)
+            self.save(last_val if evaluated else None, lap=lap or clock.lap)
         self.finish_pending_save()
         if ran and self._failed_save is not None and self._failed_save[0] == self.step:
             final = self._retry_final_save(last_val if evaluated else None)
