@@ -18,9 +18,10 @@ signature is its command line (signature.py builds the argparse parser from it).
 
 Conventions: config settings are `section.key=value` overrides, anywhere on the line, never
 flags (`--max-steps 5` is refused with the override to write instead); a flag given twice is
-an error; a user error is one line on stderr, `error: ...`; under `distlm train
---nproc-per-node N` and the SLURM script only rank 0 prints it and nothing else follows (a
-bare torchrun adds its own summary after it). Exit status, the same for `distlm train`,
+an error; a user error is one line on stderr, `error: ...`; with several ranks only rank 0
+prints it (a rank whose own error is another prints that too, `error (rank N): ...`), and under
+`distlm train --nproc-per-node N` and the SLURM script nothing else follows (a bare torchrun
+adds its own summary after it). Exit status, the same for `distlm train`,
 `distlm train --nproc-per-node N` and the SLURM script's srun step: 0 finished; 2 the user's
 error (config, data, memory, layout, a missing or damaged checkpoint); 3 training had to stop
 (a checkpoint that cannot be written, non-finite values); 128 + the signal when a signal
@@ -175,19 +176,51 @@ def _status_of(e: Exception) -> Optional[int]:
     return None
 
 
+# The store key under which rank 0 leaves its error for the other ranks, and how long another
+# rank with an error waits for it: the ranks run the same checks in the same order, so rank 0
+# reaches the same error within moments, unless it is busy elsewhere (then the rank says its own).
+ERROR_KEY = "distlm/error/rank0"
+RANK_0_WAIT_S = 10.0
+
+
 def print_error(message: str, agreed: bool = False) -> None:
     """Under torchrun every rank parses the same command line, so a config error is the same
     everywhere and rank 0's copy is enough. Once the process group is up an error can be one
-    rank's own (its GPU's memory, its node's files): the other ranks then say theirs too, with
-    their rank, or a job could fail with no word of why (seen on a GPU run: rank 1 exited 2,
-    silent, rank 0 killed). An ``agreed`` error is every rank's alike (decided on values the
-    ranks agreed on): rank 0's copy is enough again."""
+    rank's own (its GPU's memory, its node's files): a rank then says it too, with its rank, or
+    a job could fail with no word of why (seen on a GPU run: rank 1 exited 2, silent, rank 0
+    killed), unless rank 0 has said the same words (a missing data folder, a run folder that
+    exists: every rank finds it alike), which rank 0 leaves in the process group's store. An
+    ``agreed`` error is every rank's alike (decided on values the ranks agreed on): rank 0's
+    copy is enough again."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if _process_group_up() and not agreed:
+            _store_call(lambda store: store.set(ERROR_KEY, message))
         return
-    if _process_group_up() and not agreed:
+    if _process_group_up() and not agreed and not _said_by_rank_0(message):
         print(f"error (rank {rank}): {message}", file=sys.stderr)
+
+
+def _said_by_rank_0(message: str) -> bool:
+    """Whether rank 0 has said ``message`` (waiting RANK_0_WAIT_S for it to say anything)."""
+    import datetime
+
+    def read(store) -> bytes:
+        store.wait([ERROR_KEY], datetime.timedelta(seconds=RANK_0_WAIT_S))
+        return store.get(ERROR_KEY)
+
+    said = _store_call(read)
+    return said is not None and said.decode(errors="replace") == message
+
+
+def _store_call(fn):
+    """``fn(store)`` on the process group's key-value store; None where that fails (no store
+    reachable, rank 0 gone with the store it hosted, a timeout): the rank then speaks for itself."""
+    try:
+        return fn(sys.modules["torch.distributed"].distributed_c10d._get_default_store())
+    except Exception:
+        return None
 
 
 def _shutdown() -> None:
