@@ -1,8 +1,9 @@
 """What a folder a command was given is, for the hint of an error that names it: a folder of
 runs, a run, a checkpoint, prepared data or a Hugging Face model, and what lies in it.
 
-A user who passes a run folder as data.dir or init.from_hf, or a data folder as --checkpoint, learns which of
-them it is and what exists nearby, instead of a hint for the kind the command expected.
+A user who passes a run folder as data.dir or init.from_hf, or a data folder as --checkpoint,
+learns which of them it is and what exists nearby, instead of a hint for the kind the command
+expected.
 Pure path reads (no torch): the light verbs use it too.
 """
 from __future__ import annotations
