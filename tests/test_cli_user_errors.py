@@ -174,14 +174,13 @@ def test_plan_numbers_for_small_and_unsplittable_models():
 
 
 def test_rank_0_s_words_in_the_store_keep_the_other_ranks_from_repeating_them(monkeypatch, capsys):
-    """Rank 0 leaves its error in the process group's store; a rank that finds the same error
-    says nothing, one with other words (its own) says them with its rank, and so does one whose
-    rank 0 said nothing within the wait."""
+    """Rank 0 leaves its error in the launch's store; a rank that finds the same error says
+    nothing, one with other words (its own) says them with its rank, and so does one whose rank 0
+    said nothing within the wait; an agreed error is rank 0's to say once rank 0 has spoken."""
     import torch.distributed as dist
     import distlm.cli as cli
     store = dist.HashStore()
-    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
-    monkeypatch.setattr(cli, "_process_group_up", lambda: True)
+    monkeypatch.setattr(cli, "_error_store", lambda: store)
     monkeypatch.setattr(cli, "RANK_0_WAIT_S", 0.2)
     monkeypatch.setenv("RANK", "1")
     cli.print_error("data/x/manifest.json: not found")  # rank 0 has said nothing yet
@@ -194,6 +193,8 @@ def test_rank_0_s_words_in_the_store_keep_the_other_ranks_from_repeating_them(mo
     assert capsys.readouterr().err == ""
     cli.print_error("/scratch/x: no space left")
     assert capsys.readouterr().err == "error (rank 1): /scratch/x: no space left\n"
+    cli.print_error("needs about 9 GiB but cuda:1 has 4 GiB free", agreed=True)  # rank 0 has spoken
+    assert capsys.readouterr().err == ""
 
 
 def test_a_rank_s_own_error_is_not_swallowed(monkeypatch, capsys):
