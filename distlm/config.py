@@ -561,8 +561,11 @@ def _data_parallel_table(table: Any, origin: str) -> dict[int, dict]:
                               f"(a positive integer)")
         if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
             raise ConfigError(f"{origin}: {DATA_PARALLEL}.{degree} must map sections to their fields")
-        probe = _Values()  # every key and value checked now, whatever degree this run has
-        probe.merge(sections, f"{origin}: {DATA_PARALLEL}.{degree}")
+        try:  # every key and value checked now, whatever degree this run has
+            _Values().merge(sections, f"{origin}: {DATA_PARALLEL}.{degree}")
+        except ConfigError as e:
+            raise ConfigError(str(e) if str(e).startswith(origin) else f"{origin}: {DATA_PARALLEL}.{degree}: {e}") \
+                from None
         out[degree] = {f"{section}.{key}": value for section, fields in sections.items()
                        for key, value in fields.items()}
     return out
