@@ -542,9 +542,11 @@ def _nested(cls: type, values: dict) -> dict:
 
 
 # A preset's top-level ``data_parallel`` mapping: the values it gives a run of one data-parallel
-# degree, e.g. speedrun-124m's {4: {train: {global_batch_size: 64, max_steps: 300, ...}}}. They
-# replace the file's own values when the run's degree is one the table names; a value given on
-# the command line wins over both. A saved config is resolved and has no table.
+# degree, e.g. speedrun-124m's {4: {train: {global_batch_size: 64, max_steps: 300, ...}}}. A row
+# replaces the file's own values when the run's degree is the one it names, whole: a command
+# line that gives any of its keys leaves the row out (a row is one recipe, the batch and the
+# step counts that keep its tokens; half of one would be neither). A saved config is resolved
+# and has no table.
 DATA_PARALLEL = "data_parallel"
 
 
@@ -572,9 +574,9 @@ def _data_parallel_table(table: Any, origin: str) -> dict[int, dict]:
 
 
 def load_config(config: str | None = None, overrides: list[str] = (), notes: Optional[list] = None) -> Config:
-    """Build the config: defaults <- FILE or preset (with its data_parallel table's values for this
-    run's data-parallel degree) <- dotted overrides, then validate. ``notes``: a list that gets a
-    line saying what a data_parallel table changed."""
+    """Build the config: defaults <- FILE or preset (with its data_parallel row for this run's
+    data-parallel degree) <- dotted overrides, then validate. ``notes``: a list that gets a line
+    saying what a data_parallel row changed, or why it was left out."""
     values = _Values()
     table: dict[int, dict] = {}
     if config:
@@ -600,16 +602,20 @@ def load_config(config: str | None = None, overrides: list[str] = (), notes: Opt
         # The raw string: the field's type converts it (YAML would read "off" as False).
         values.set(section, name, value)
         given.add(key)
-    if table:
-        degree = Layout.of(types.SimpleNamespace(**values.values["parallel"])).dp_size
-        changed = {k: v for k, v in table.get(degree, {}).items() if k not in given}
-        for key, value in changed.items():
-            section, name = key.split(".", 1)
-            values.set(section, name, value)
-        if changed and notes is not None:
-            notes.append(f"{Path(config).stem} on {degree} data-parallel ranks: "
-                         + ", ".join(f"{k}={_shown(v)}" for k, v in changed.items())
-                         + f" (its {DATA_PARALLEL} table; a value given on the command line wins)")
+    degree = Layout.of(types.SimpleNamespace(**values.values["parallel"])).dp_size
+    row = table.get(degree, {})
+    if row:
+        said = ", ".join(f"{k}={_shown(v)}" for k, v in row.items())
+        mine = [k for k in row if k in given]
+        if mine:  # the row is one recipe: a command line that changes part of it writes its own
+            note = f"its {DATA_PARALLEL} row ({said}) left out: {', '.join(mine)} given on the command line"
+        else:
+            note = f"{said} (its {DATA_PARALLEL} table)"
+            for key, value in row.items():
+                section, name = key.split(".", 1)
+                values.set(section, name, value)
+        if notes is not None:
+            notes.append(f"{Path(config).stem} on {degree} data-parallel ranks: {note}")
     cfg = values.build()
     validate(cfg)
     return cfg

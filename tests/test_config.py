@@ -86,16 +86,19 @@ def test_an_internal_knob_is_not_a_field(key):
         load_config(None, [key])
 
 
-def test_a_preset_data_parallel_table_sets_its_values_and_the_command_line_wins():
+def test_a_preset_data_parallel_row_sets_its_values_unless_the_command_line_gives_one():
     notes = []
     cfg = load_config("speedrun-124m", ["parallel.dp_replicate=4"], notes=notes)
     t = cfg.train
     assert (t.global_batch_size, t.max_steps, t.warmup_steps, t.eval_every) == (64, 300, 10, 100)
-    assert notes == ["speedrun-124m on 4 data-parallel ranks: train.global_batch_size=64, train.max_steps=300, "
-                     "train.warmup_steps=10, train.eval_every=100 (its data_parallel table; a value given on the "
-                     "command line wins)"]
-    given = load_config("speedrun-124m", ["parallel.dp_shard=4", "train.max_steps=1000"]).train
-    assert (given.global_batch_size, given.max_steps) == (64, 1000)
+    row = "train.global_batch_size=64, train.max_steps=300, train.warmup_steps=10, train.eval_every=100"
+    assert notes == [f"speedrun-124m on 4 data-parallel ranks: {row} (its data_parallel table)"]
+    # a row is one recipe: a command line that gives part of it writes its own, and is told so
+    notes = []
+    given = load_config("speedrun-124m", ["parallel.dp_shard=4", "train.max_steps=1000"], notes=notes).train
+    assert (given.global_batch_size, given.max_steps, given.warmup_steps) == (32, 1000, 20)
+    assert notes == [f"speedrun-124m on 4 data-parallel ranks: its data_parallel row ({row}) left out: "
+                     f"train.max_steps given on the command line"]
     notes = []
     assert load_config("speedrun-124m", ["parallel.dp_replicate=2"], notes=notes).train.global_batch_size == 32
     assert notes == []  # no row for 2: the preset as written
