@@ -33,9 +33,10 @@ import torch
 
 from distlm.checkpoint import store as ckpt
 from distlm.config import load_config
-from distlm.train.matmul_dtype import MatmulDtypeProbe
+from distlm.optim.matmul_dtype import MatmulDtypeProbe
 from distlm.optim.muon import Muon, newton_schulz
-from distlm.train.optim import build_optimizer, resolve_ns_dtype
+from distlm.optim import REGISTRY
+from distlm.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The demo's model and schedule on random tokens of the demo's vocabulary: no corpus to prepare.
@@ -92,6 +93,7 @@ def test_auto_picks_fp32_where_bf16_is_measured_slower_and_measures_once():
     probe = MatmulDtypeProbe(measure=slow_bf16)
     cfg = load_config("demo", DEMO_SYNTHETIC)
     assert cfg.optim.muon.ns_dtype == "auto"
+    resolve_ns_dtype = REGISTRY["muon"].resolve  # Muon's spec resolves its own setting
     resolved, line = resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), probe)
     assert resolved.optim.muon.ns_dtype == "fp32"
     assert line.startswith("optim.muon.ns_dtype=auto: fp32") and "bf16 46.40 ms, fp32 1.08 ms" in line
@@ -158,7 +160,7 @@ def test_demo_schedule_ends_at_its_time_limit_on_a_slow_machine(tmp_path, book_d
     from distlm.train.trainer import Trainer
     cfg = load_config("demo", [f"data.dir={book_data}", "train.device=cpu", "log.samples=0", f"log.root={tmp_path}",
                                "log.name=slow", "log.progress=false", "log.every=1"])
-    assert cfg.train.schedule_clock == "time" and cfg.train.time_limit_s == 200 and cfg.train.max_steps == 600
+    assert cfg.train.time_budget_s == 200 and cfg.train.time_limit_s == 0 and cfg.train.max_steps == 600
     trainer = Trainer(cfg)
     simulated = [0.0]
     real_step = trainer.train_step
@@ -178,7 +180,7 @@ def test_demo_schedule_ends_at_its_time_limit_on_a_slow_machine(tmp_path, book_d
     table = rows(tmp_path / "slow")
     assert [r["step"] for r in table] == [str(s) for s in range(1, summary["step"] + 1)]
     lrs = [float(r["lr"]) for r in table]
-    peak, final = cfg.optim.adamw.lr, cfg.train.min_lr
+    peak, final = cfg.optim.adamw.lr, cfg.optim.adamw.lr * cfg.train.min_lr_ratio
     assert lrs[-1] == final  # the cooldown ran to its end
     assert max(lrs) == pytest.approx(peak) and lrs.index(max(lrs)) < len(lrs) // 2  # warm-up and hold first
     after_peak = lrs[lrs.index(max(lrs)):]
@@ -215,7 +217,7 @@ def test_a_stopped_run_writes_its_last_steps_row(tmp_path, monkeypatch, one_thre
     import distlm.train.trainer as trainer_module
     from distlm.train.trainer import Trainer
     cfg = load_config("demo", DEMO_SYNTHETIC + [f"log.root={tmp_path}", "log.name=short", "log.progress=false",
-                                                "train.max_steps=2000", "log.every=50", "train.schedule_clock=steps"])
+                                                "train.max_steps=2000", "log.every=50", "train.time_budget_s=0"])
     trainer = Trainer(cfg)
     monkeypatch.setattr(trainer_module, "stop_reason",
                         lambda stop, t0, tcfg, step, *a: "a test's stop" if step == 3 else None)
@@ -299,8 +301,7 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
     cmd = [sys.executable, "-m", "distlm", "train", "--config", "demo", *DEMO_SYNTHETIC, f"log.root={tmp_path}",
-           "log.name=follow", "log.every=50", "train.max_steps=2000", "train.time_limit_s=0",
-           "train.schedule_clock=steps"]
+           "log.name=follow", "log.every=50", "train.max_steps=2000", "train.time_budget_s=0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
     os.close(slave)
     terminal: list = []
