@@ -1,8 +1,9 @@
 """What a folder a command was given is, for the hint of an error that names it: a folder of
 runs, a run, a checkpoint, prepared data or a Hugging Face model, and what lies in it.
 
-A user who passes a run folder as data.dir, or a data folder as --checkpoint, learns which of
-them it is and what exists nearby, instead of a hint for the kind the command expected.
+A user who passes a run folder as data.dir or init.from_hf, or a data folder as --checkpoint,
+learns which of them it is and what exists nearby, instead of a hint for the kind the command
+expected.
 Pure path reads (no torch): the light verbs use it too.
 """
 from __future__ import annotations
@@ -34,15 +35,42 @@ def kind_of(path: str | Path) -> Optional[str]:
 
 NAMES = {"checkpoint": "a checkpoint folder", "run": "a run folder", "data": "a prepared data folder (distlm prepare)",
          "hf": "a Hugging Face model folder", "runs": "a folder of runs"}
+# The setting that takes a folder of the kind, for a hint that points the right way.
+TAKEN_BY = {"data": "data.dir", "hf": "init.from_hf"}
 
 
 def describe(path: str | Path) -> str:
-    """'it does not exist', 'it is a run folder', ... for the error's hint."""
+    """'it does not exist', 'it is a run folder', 'it is a Hugging Face model folder, for
+    init.from_hf', ... for the error's hint."""
     p = Path(path)
     if not p.exists():
         return "it does not exist"
     kind = kind_of(p)
-    return f"it is {NAMES[kind]}" if kind else ("it is not a folder" if not p.is_dir() else "it holds no run")
+    if not kind:
+        return "it is not a folder" if not p.is_dir() else "it holds no run"
+    return f"it is {NAMES[kind]}" + (f", for {TAKEN_BY[kind]}" if kind in TAKEN_BY else "")
+
+
+def not_hf(path: str | Path) -> str:
+    """What a folder given as init.from_hf is instead, and what exists there: '' where it is
+    none of the kinds (its missing config.json says enough)."""
+    p = Path(path)
+    kind = kind_of(p)
+    if not p.exists():
+        return "; it does not exist"
+    if kind == "checkpoint":
+        return f"; {p} is a checkpoint folder: `distlm export {p} OUT` writes it as a Hugging Face folder"
+    if kind == "run":
+        steps = _steps(p)
+        if not steps:
+            return f"; {p} is a run folder with no complete checkpoint"
+        return (f"; {p} is a run folder (checkpoints: {', '.join(steps[:SHOWN])}): `distlm export {p} OUT` writes "
+                f"its newest as a Hugging Face folder")
+    if kind == "runs":
+        return f"; {p} is a folder of runs; {checkpoints_near(p)}; `distlm export RUN OUT` writes one as a Hugging Face folder"
+    if kind == "data":
+        return f"; {p} is {NAMES['data']}, for data.dir"
+    return ""
 
 
 def checkpoints_near(path: str | Path) -> str:

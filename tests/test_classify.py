@@ -175,6 +175,16 @@ def test_eval_cli_reports_accuracy_and_confusion_png(trained, root, capsys):
     assert sorted(p.name for p in (root / "toy").glob("eval*.json")) == ["eval-val.json"]
 
 
+def test_a_classifiers_eval_through_a_pipe_says_how_far_it_is(trained, capsys):
+    """No bar in a pipe: a line at each tenth of the batches, on stderr, as they are done (as a
+    language model's `distlm eval` does), instead of nothing until the end."""
+    from distlm.tasks.classify.predict import predict_probs
+    rows = trained.task.val_data
+    probs = predict_probs(trained.gpt, rows["tokens"], rows["lengths"], torch.device("cpu"), batch_size=10, desc="eval")
+    assert probs.shape == (120, 4)
+    assert capsys.readouterr().err.splitlines() == [f"eval: {n}/12 batches" for n in (2, 3, 4, 5, 6, 8, 9, 10, 11)]
+
+
 def test_predict_writes_labels_and_probabilities(trained, root, capsys):
     texts = ["the rocket and the moon orbit", "a doctor at the hospital", "the team and the coach win the match"]
     src = root / "texts.txt"

@@ -173,6 +173,30 @@ def test_plan_numbers_for_small_and_unsplittable_models():
     assert "tp=2, tp=4 skipped: 25 heads do not split by 2, 4 (model.n_head=20 would)" in big.stdout
 
 
+def test_rank_0_s_words_in_the_store_keep_the_other_ranks_from_repeating_them(monkeypatch, capsys):
+    """Rank 0 leaves its error in the launch's store; a rank that finds the same error says
+    nothing, one with other words (its own) says them with its rank, and so does one whose rank 0
+    said nothing within the wait; an agreed error is rank 0's to say once rank 0 has spoken."""
+    import torch.distributed as dist
+    import distlm.cli as cli
+    store = dist.HashStore()
+    monkeypatch.setattr(cli, "_error_store", lambda: store)
+    monkeypatch.setattr(cli, "RANK_0_WAIT_S", 0.2)
+    monkeypatch.setenv("RANK", "1")
+    cli.print_error("data/x/manifest.json: not found")  # rank 0 has said nothing yet
+    assert capsys.readouterr().err == "error (rank 1): data/x/manifest.json: not found\n"
+    monkeypatch.setenv("RANK", "0")
+    cli.print_error("data/x/manifest.json: not found")
+    assert capsys.readouterr().err == "error: data/x/manifest.json: not found\n"
+    monkeypatch.setenv("RANK", "1")
+    cli.print_error("data/x/manifest.json: not found")
+    assert capsys.readouterr().err == ""
+    cli.print_error("/scratch/x: no space left")
+    assert capsys.readouterr().err == "error (rank 1): /scratch/x: no space left\n"
+    cli.print_error("needs about 9 GiB but cuda:1 has 4 GiB free", agreed=True)  # rank 0 has spoken
+    assert capsys.readouterr().err == ""
+
+
 def test_a_rank_s_own_error_is_not_swallowed(monkeypatch, capsys):
     """Rank 0 alone reports a config error (every rank parsed the same command line), but an
     error raised once the process group is up may be one rank's own: that rank says it too."""

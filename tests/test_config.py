@@ -43,15 +43,8 @@ def test_bad_config_is_named(overrides, needle):
     assert needle in str(e.value)
 
 
-# The CPU demo and the classifier pin a micro-batch of their whole global batch: one process is
-# what they are measured on (their figures would change with the micro-batch).
-ONE_PROCESS_PRESETS = {"demo", "classify"}
-
-
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="pins micro_batch_size = global_batch_size")) if n in ONE_PROCESS_PRESETS else n
-    for n in list_presets()])
+@pytest.mark.parametrize("name", list_presets())
 def test_no_preset_pins_a_micro_batch_that_breaks_on_2_or_4_processes(name, nproc):
     from distlm.launch.local import check_before_launch
     cfg = load_config(name, [f"parallel.dp_replicate={nproc}", "data.source=synthetic", "train.memory_check=false"])

@@ -157,8 +157,9 @@ def test_demo_schedule_ends_at_its_time_limit_on_a_slow_machine(tmp_path, book_d
     its 600 steps (the step projected to end, with one to spare, past 200 s is the last).
     The learning rate must warm up, hold, decay to min_lr by the time limit, and the run must end
     there with a final evaluation, written to metrics.csv, TensorBoard and the plot."""
+    from distlm.cli.demo import CPU_OVERRIDES
     from distlm.train.trainer import Trainer
-    cfg = load_config("demo", [f"data.dir={book_data}", "train.device=cpu", "log.samples=0", f"log.root={tmp_path}",
+    cfg = load_config("demo", [*CPU_OVERRIDES, f"data.dir={book_data}", "train.device=cpu", "log.samples=0", f"log.root={tmp_path}",
                                "log.name=slow", "log.progress=false", "log.every=1"])
     assert cfg.train.time_budget_s == 200 and cfg.train.time_limit_s == 0 and cfg.train.max_steps == 600
     trainer = Trainer(cfg)
@@ -195,6 +196,15 @@ def test_demo_schedule_ends_at_its_time_limit_on_a_slow_machine(tmp_path, book_d
     assert acc.Scalars("train/lr")[-1].value == pytest.approx(final)
     assert [e.step for e in acc.Scalars("val/val_loss")] == [summary["step"]]
     assert drawn_pixels(tmp_path / "slow" / "loss.png") > 0
+
+
+def test_the_cpu_demo_takes_its_whole_batch_in_one_pass():
+    """The demo preset leaves its micro-batch to auto (8 on a CPU process), so that it runs on 2
+    or 4 processes; `distlm demo` on a CPU sets the one pass of 16 its figures were measured with."""
+    from distlm.cli.demo import CPU_OVERRIDES
+    assert load_config("demo").train.micro_batch_size is None
+    t = load_config("demo", CPU_OVERRIDES).train
+    assert t.micro_batch_size == t.global_batch_size == 16
 
 
 def math_isfinite(text: str) -> bool:

@@ -74,6 +74,70 @@ def test_what_needs_no_gpu_is_refused_before_a_rank_starts(tmp_path, monkeypatch
     assert err.count("\n") == 1 and said in err, err
 
 
+LAYOUT_ERROR = (["parallel.dp_replicate=1", "data.source=synthetic"],
+                "but the world size is 2; add parallel.dp_replicate=2")
+
+
+@pytest.mark.parametrize("wrong, said, rank_0_late", [
+    (*LAYOUT_ERROR, False),
+    (*LAYOUT_ERROR, True),
+    (["data.dir=NOWHERE"], "NOWHERE/manifest.json: not found", False),
+    (["data.source=synthetic", "model.n_layer=64", "model.d_model=8192", "model.n_head=64", "model.d_ff=32768"],
+     "needs about 1,617.6 GiB but this machine's RAM, shared by its 2 processes, has", False),
+], ids=["layout", "layout-rank-0-late", "data", "memory"])
+def test_under_a_bare_torchrun_a_ranks_error_is_one_line_from_rank_0(tmp_path, wrong, said, rank_0_late):
+    """A bare torchrun (not --nproc-per-node) starts the ranks with nothing checked first: the
+    world size is known only there, a data folder is read and the memory measured there (its
+    least over the ranks, by gloo). Each rank finds the same error; stderr, read through a pipe,
+    holds one distlm line, rank 0's, and then only torchrun's own report (its log lines, its
+    traceback and summary), no rank's traceback; the ranks exit 2. rank_0_late: rank 0 starts 3 s
+    after rank 1, which finds the error first and must not exit before rank 0 has said it
+    (torchrun would stop rank 0 at once, and nothing would be said)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if rank_0_late:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
+        env["PYTHONPATH"] = f"{site}{os.pathsep}{ROOT}"
+    wrong = [w.replace("NOWHERE", str(tmp_path / "nowhere")) for w in wrong]
+    said = said.replace("NOWHERE", str(tmp_path / "nowhere"))
+    args = [a for a in TINY if a != "parallel.dp_replicate=2"] if "parallel.dp_replicate=1" in wrong else TINY
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "distlm", "train", *args, *wrong, f"log.root={tmp_path}"], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    lines = proc.stderr.splitlines()
+    ours = [line for line in lines if line.startswith("error")]
+    assert len(ours) == 1 and ours[0].startswith("error: ") and said in ours[0], proc.stderr
+    assert lines[0] == ours[0], proc.stderr  # nothing of ours before it
+    assert str(ROOT / "distlm") + os.sep not in proc.stderr, proc.stderr  # no traceback through distlm's files
+    assert "ChildFailedError" in proc.stderr and "exitcode  : 2 (pid" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "error" not in proc.stdout, proc.stdout
+
+
+def test_a_classifiers_data_and_memory_are_checked_before_a_rank_starts(tmp_path, monkeypatch, capsys):
+    import distlm.launch.local as local
+    from distlm.tasks.classify.data import prepare_classify
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(local, "run_torchrun", no_launch)
+    src = tmp_path / "posts.jsonl"
+    src.write_text("".join(f'{{"text": "post number {i} about {t}", "label": "{t}"}}\n'
+                           for i in range(40) for t in ("space", "sport")))
+    prepare_classify([str(src)], tmp_path / "posts", max_len=16, quiet=True)
+    common = ["train", "--nproc-per-node", "2", "--config", "classify", "train.device=cpu", "parallel.dp_replicate=2",
+              f"log.root={tmp_path}"]
+    big = ["model.n_layer=64", "model.d_model=8192", "model.n_head=64", "model.d_ff=32768"]
+    assert main([*common, f"data.dir={tmp_path / 'posts'}", *big]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "this machine's RAM, shared by its 2 processes, has" in err, err
+    assert main([*common, f"data.dir={tmp_path / 'nowhere'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'nowhere'}/manifest.json" in err, err
+
+
 def test_torchruns_own_lines_are_kept_only_where_no_rank_said_why(monkeypatch, capsys):
     """A rank that exited 2 or 3 has said why in one line: torchrun's lines about it would
     repeat it. After a crash (a traceback, exit 1) they say which rank failed: written."""

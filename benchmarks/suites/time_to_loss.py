@@ -80,6 +80,10 @@ ABLATIONS = {
     # (tests/test_moe.py checks that the two say the same).
     "moe": "model.moe.experts=16 model.moe.top_k=3 model.moe.d_ff=768 model.moe.shared=1 model.moe.first_dense=1 "
            "model.moe.bias_rate=0.005",
+    # Fewer, wider experts at the same active width (2 x 1024 routed + 1024 shared = 3072): larger
+    # groups for the grouped matmul, half the routed weights for Muon to orthogonalise.
+    "moe8": "model.moe.experts=8 model.moe.top_k=2 model.moe.d_ff=1024 model.moe.shared=1 model.moe.first_dense=1 "
+            "model.moe.bias_rate=0.005",
     "s500": "train.max_steps=500", "s540": "train.max_steps=540", "s600": "train.max_steps=600",
 }
 

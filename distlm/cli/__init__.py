@@ -18,9 +18,10 @@ signature is its command line (signature.py builds the argparse parser from it).
 
 Conventions: config settings are `section.key=value` overrides, anywhere on the line, never
 flags (`--max-steps 5` is refused with the override to write instead); a flag given twice is
-an error; a user error is one line on stderr, `error: ...`; under `distlm train
---nproc-per-node N` and the SLURM script only rank 0 prints it and nothing else follows (a
-bare torchrun adds its own summary after it). Exit status, the same for `distlm train`,
+an error; a user error is one line on stderr, `error: ...`; with several ranks only rank 0
+prints it (a rank whose own error is another prints that too, `error (rank N): ...`), and under
+`distlm train --nproc-per-node N` and the SLURM script nothing else follows (a bare torchrun
+adds its own summary after it). Exit status, the same for `distlm train`,
 `distlm train --nproc-per-node N` and the SLURM script's srun step: 0 finished; 2 the user's
 error (config, data, memory, layout, a missing or damaged checkpoint); 3 training had to stop
 (a checkpoint that cannot be written, non-finite values); 128 + the signal when a signal
@@ -175,19 +176,71 @@ def _status_of(e: Exception) -> Optional[int]:
     return None
 
 
+# The store key under which rank 0 leaves its error for the other ranks, and how long another
+# rank with an error waits for it: the ranks run the same checks in the same order, so rank 0
+# reaches the same error within moments, unless it is busy elsewhere (then the rank says its own).
+ERROR_KEY = "distlm/error/rank0"
+RANK_0_WAIT_S = 10.0
+
+
 def print_error(message: str, agreed: bool = False) -> None:
-    """Under torchrun every rank parses the same command line, so a config error is the same
-    everywhere and rank 0's copy is enough. Once the process group is up an error can be one
-    rank's own (its GPU's memory, its node's files): the other ranks then say theirs too, with
-    their rank, or a job could fail with no word of why (seen on a GPU run: rank 1 exited 2,
-    silent, rank 0 killed). An ``agreed`` error is every rank's alike (decided on values the
-    ranks agreed on): rank 0's copy is enough again."""
+    """Under torchrun every rank runs the same command line, so most errors are every rank's
+    alike, and rank 0's copy is enough; an ``agreed`` error (decided on values the ranks
+    agreed on: the memory check's least free memory) always is. Rank 0 says it and leaves it in
+    the store the launch's agent holds; a rank with an error waits for rank 0's words, and says
+    nothing where rank 0 said the same (or said anything, for an agreed error). A rank exiting
+    first in silence would be worse than a repeat: its launcher then stops rank 0 before rank 0
+    has said a word. Where rank 0 said other words, or none in RANK_0_WAIT_S, the error is the
+    rank's own (its GPU's memory, its node's files) and the rank says it, with its rank. Without
+    a store (several ranks started by hand) a rank says an error only once the process group is
+    up and not for an agreed one."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        _store_call(lambda store: store.set(ERROR_KEY, message))
         return
-    if _process_group_up() and not agreed:
+    said = _store_call(_rank_0_words)
+    if said is None:  # no store
+        if _process_group_up() and not agreed:
+            print(f"error (rank {rank}): {message}", file=sys.stderr)
+        return
+    if not said or not agreed and said.decode(errors="replace") != message:
         print(f"error (rank {rank}): {message}", file=sys.stderr)
+
+
+def _rank_0_words(store) -> bytes:
+    """What rank 0 said; b"" where it said nothing in RANK_0_WAIT_S (or its store is gone)."""
+    import datetime
+    try:
+        store.wait([ERROR_KEY], datetime.timedelta(seconds=RANK_0_WAIT_S))
+        return store.get(ERROR_KEY)
+    except Exception:
+        return b""
+
+
+def _error_store():
+    """The key-value store the ranks of this launch share, or None: torchrun's agent's (from a
+    rank's start, before any process group), else the process group's."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import datetime
+    world = int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+        from distlm.parallel.dims import _attempt_store  # the store prefix the process group uses
+        return _attempt_store(world, datetime.timedelta(seconds=RANK_0_WAIT_S))
+    if _process_group_up():
+        return sys.modules["torch.distributed"].distributed_c10d._get_default_store()
+    return None
+
+
+def _store_call(fn):
+    """``fn(store)`` on _error_store(); None where there is none or the call fails (rank 0 gone
+    with the store it hosted, a timeout)."""
+    try:
+        store = _error_store()
+        return None if store is None else fn(store)
+    except Exception:
+        return None
 
 
 def _shutdown() -> None:

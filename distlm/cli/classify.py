@@ -40,7 +40,7 @@ def evaluate_classifier(checkpoint: str, *, data: Optional[str], split: str, dev
     rows = load_split(data_dir, manifest, split)
     if not len(rows["labels"]):
         raise DataError(f"{data_dir}: the '{split}' split is empty")
-    probs = predict_probs(loaded.model, rows["tokens"], rows["lengths"], dev)
+    probs = predict_probs(loaded.model, rows["tokens"], rows["lengths"], dev, desc="eval")
     confusion = np.zeros((len(labels), len(labels)), dtype=np.int64)
     np.add.at(confusion, (rows["labels"], probs.argmax(1)), 1)
     result = {"checkpoint": str(folder), "data": str(data_dir), "split": split, **scores(confusion),

@@ -67,7 +67,7 @@ def load_manifest(data_dir: str | Path, *, part_ok: bool = False) -> dict:
         kind = kind_of(data_dir)
         if kind in ("run", "checkpoint", "runs", "hf"):  # a folder of another kind: no prepare into it
             raise DataError(f"{path}: not found; {data_dir} is {NAMES[kind]}, not prepared data"
-                            + _trained_on(Path(data_dir), kind)) from None
+                            + (", for init.from_hf" if kind == "hf" else _trained_on(Path(data_dir), kind))) from None
         raise DataError(f"{path}: not found; create it with `distlm prepare INPUT... --out {data_dir}`") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror}") from None

@@ -56,7 +56,8 @@ def _read_config(path: Path) -> tuple[str, dict]:
     try:
         raw = json.loads(read_regular_text(f, CONFIG_MAX_BYTES, "the model config", InteropError))
     except FileNotFoundError:
-        raise InteropError(f"{f}: missing; init.from_hf needs a local Hugging Face model folder") from None
+        from distlm.folders import not_hf
+        raise InteropError(f"{f}: missing; init.from_hf needs a local Hugging Face model folder{not_hf(path)}") from None
     except InteropError:
         raise
     except ValueError as e:

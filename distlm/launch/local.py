@@ -39,18 +39,25 @@ def torchrun_args(nproc: int, distlm_args: Sequence[str]) -> list[str]:
 def check_before_launch(cfg, nproc: int) -> None:
     """What the ranks would refuse without a GPU on ``nproc`` processes, refused here first,
     before a process is started: the degrees must fill the world (the config's own checks
-    have divided the batch by them); a language model's data (or Hugging Face folder) must
-    be there and fit the model, and on a CPU the ``nproc`` processes must fit its RAM."""
+    have divided the batch by them); the data (or Hugging Face folder) must be there and fit
+    the model, and on a CPU the ``nproc`` processes must fit its RAM. A GPU's free memory is
+    the ranks' to measure, each on its own GPU (rank 0 alone says a refusal: it is agreed)."""
+    from distlm.config import updated
+    from distlm.device import resolve_device
     from distlm.layout import Layout
     from distlm.parallel.dims import ParallelDims
-    dims = ParallelDims(**Layout.of(cfg.parallel).degrees(), world_size=nproc)  # raises as a rank would
-    if cfg.task.name != "lm":  # a classifier's resolve may prepare its default data: the ranks do that
-        return
-    from distlm.device import resolve_device
-    from distlm.tasks.lm import LMTask
+    from distlm.tasks import build_task
     from distlm.train.fast_defaults import Device, choose
     from distlm.train.memory_check import check_memory
-    resolved = LMTask().resolve(cfg, None, True).cfg
+    dims = ParallelDims(**Layout.of(cfg.parallel).degrees(), world_size=nproc)  # raises as a rank would
+    if cfg.task.name == "classify" and not cfg.data.dir:
+        # The vendored set, prepared on first use by rank 0: checked here once it is there.
+        from distlm.tasks.classify.task import default_data_dir
+        default = default_data_dir(cfg)
+        if not (default / "manifest.json").is_file():
+            return
+        cfg = updated(cfg, data={"dir": str(default)})
+    resolved = build_task(cfg).resolve(cfg, None, True).cfg
     device = resolve_device(cfg.train.device)
     if device.type == "cpu":  # a GPU's free memory is the rank's to measure, on its GPU
         check_memory(choose(resolved, Device("cpu"), dims).cfg, device, dims,

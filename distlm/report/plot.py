@@ -1,7 +1,10 @@
 """Loss curves drawn from metrics.csv (``distlm plot RUN...``)."""
 from __future__ import annotations
 
+import importlib
+import threading
 from pathlib import Path
+from typing import Optional
 
 from distlm.data import DataError
 from distlm.io import atomic_file, read_csv
@@ -22,6 +25,34 @@ def save_figure(fig, out: Path, **kw) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+class PlotImport:
+    """matplotlib imported on a thread of its own, joined before the plot is drawn.
+
+    The import is most of a plot's time when the installation keeps no bytecode for it (2.5 s
+    cold on an H200 host, docs/results/time-to-loss.md), and the end of a run has a wait it can
+    hide under: the final checkpoint's write, which waits on the disk without the GIL. An import
+    that fails is raised by ``join``, in the caller's thread, as it would have been without the
+    thread; a daemon thread, so a process that fails before joining does not wait for it.
+    """
+
+    def __init__(self) -> None:
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="distlm plot import", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            importlib.import_module("matplotlib").use("Agg")  # as plot_runs sets it: no display
+            importlib.import_module("matplotlib.pyplot")
+        except BaseException as e:  # kept for join(): raised in the caller's thread
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -44,6 +44,7 @@ from distlm.train.resolve import resolve_run
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.run_context import run_context
 from distlm.train.runlock import RunLock, claim_run_name, holds_no_run
+from distlm.report.plot import NothingToPlot, PlotImport, plot_runs
 from distlm.report.samples import console_block, describe as describe_samples
 from distlm.train.schedule import lr_clock
 from distlm.train.seq_schedule import SeqSchedule
@@ -383,7 +384,7 @@ class Trainer:
         self.lr_clock.start()
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
-        end = None  # the end of the run's clock
+        end = plot_import = None  # the end of the run's clock, and the plot's import beside its save
         loss = grad_norm = None
         every = cfg.log.every  # resolved: a short run still draws a curve
         if main and self._log_line:
@@ -428,7 +429,19 @@ class Trainer:
             # The end of a run is a fixed cost like its set-up: timed phase by phase and said in
             # one line.
             end = SetupClock()
-            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end)
+            # The plot's library is imported beside the final checkpoint's write, which waits
+            # on the disk without the GIL; not earlier: beside the gathering of the state, which
+            # needs the GIL, the import only moved its seconds there (docs/results/time-to-loss.md).
+            started = []
+
+            def end_lap(name: str) -> None:
+                end.lap(name)
+                if main and name == "checkpoint state" and not started:
+                    started.append(PlotImport())
+
+            final = self._finish(logger, say, stopped, do_eval, last_val, ran=self.step > start_step, clock=end,
+                                 lap=end_lap)
+            plot_import = started[0] if started else None
             last_val = final["val_loss"]
         finally:
             watchdog.disarm()
@@ -439,10 +452,11 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         if main:
-            from distlm.report.plot import NothingToPlot, plot_runs
             if end is not None:
                 end.lap("logs closed")
             try:
+                if plot_import is not None:
+                    plot_import.join()
                 plot_runs([self.run_dir], self.run_dir / "loss.png")
             except NothingToPlot:
                 pass  # a run resumed at its end trained nothing and logged nothing: no empty frame
@@ -466,7 +480,7 @@ class Trainer:
         return line + f", data.source={cfg.data.source}"
 
     def _finish(self, logger, say, stopped: Optional[str], evaluated: bool, last_val: Optional[float],
-                ran: bool, clock: SetupClock) -> dict:
+                ran: bool, clock: SetupClock, lap=None) -> dict:
         """The final checkpoint first, then the final evaluation: an evaluation that fails
         must not cost the last steps. A run resumed at its end trains nothing and logs nothing."""
         self.read_faults()  # the run's last steps, before its last checkpoint and evaluation
@@ -474,7 +488,7 @@ class Trainer:
         # The last step may have been saved by checkpoint_every already: saving it again
         # would move a complete checkpoint aside for a moment, for nothing.
         final = ckpt_dir if self._last_saved_step == self.step or not ran else \
-            self.save(last_val if evaluated else None, lap=clock.lap)
+            self.save(last_val if evaluated else None, lap=lap or clock.lap)
         self.finish_pending_save()
         if ran and self._failed_save is not None and self._failed_save[0] == self.step:
             final = self._retry_final_save(last_val if evaluated else None)

@@ -10,16 +10,27 @@ import torch
 
 
 @torch.no_grad()
-def predict_probs(model, tokens: np.ndarray, lengths: np.ndarray, device, batch_size: int = 64) -> np.ndarray:
+def predict_probs(model, tokens: np.ndarray, lengths: np.ndarray, device, batch_size: int = 64,
+                  desc: str = "predict") -> np.ndarray:
     """Probabilities (N, C), batch by batch, each batch trimmed to its longest row."""
+    import math
+    import sys
+
     from tqdm import tqdm
 
     from distlm.tasks.classify.loader import make_batch
+    starts = range(0, len(lengths), batch_size)
     out = []
-    # tqdm's disable=None: a bar on a terminal, nothing in a pipe or a log file
-    for s in tqdm(range(0, len(lengths), batch_size), unit="batch", leave=False, disable=None):
+    # As a language model's `distlm eval`: a bar on a terminal (tqdm's disable=None); in a pipe or
+    # a log file, where a bar would be thousands of redraws, a line on stderr at each tenth, so a
+    # long pass is seen to move (from 10 batches: a shorter one is done before a line would help).
+    n = len(starts)
+    tenths = set() if sys.stderr.isatty() or n < 10 else {math.ceil(n * k / 10) for k in range(1, 10)}
+    for i, s in enumerate(tqdm(starts, desc=desc, unit="batch", leave=False, disable=None), 1):
         batch = make_batch(tokens[s:s + batch_size], lengths[s:s + batch_size]).to(device)
         out.append(torch.softmax(model(batch).float(), -1).cpu().numpy())
+        if i in tenths:
+            print(f"{desc}: {i}/{n} batches", file=sys.stderr, flush=True)
     return np.concatenate(out)
 
 
