@@ -19,7 +19,7 @@ import yaml
 
 from distlm.bounded_yaml import read_yaml_file
 from distlm.errors import ConfigError
-from distlm.layout import AXES, check_layout, token_id_extras
+from distlm.layout import AXES, Layout, check_layout, token_id_extras
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -137,23 +137,20 @@ class DataConfig:
 class TrainConfig:
     seed: int = 1337
     max_steps: int = 200
-    global_batch_size: int = doc(32, "sequences per optimizer step, fixed whatever the world size")
-    min_local_batch: int = doc(0, "at least this many sequences a step on each data-parallel rank: where "
-                                  "global_batch_size would give fewer, the global batch grows to the data-parallel "
-                                  "degree x this, and max_steps, warmup_steps, eval_every and checkpoint_every "
-                                  "shrink by the same factor, so the run trains on the same tokens; 0 = off")
+    global_batch_size: int = doc(32, "sequences per optimizer step, fixed whatever the world size (a preset may "
+                                     "give another for a data-parallel degree: its data_parallel table)")
     micro_batch_size: Optional[int] = auto(help="sequences per forward pass per data-parallel rank; auto = the "
                                                 "largest divisor of the local batch that fits: on CUDA at most 64, "
                                                 "by the planner's memory estimate, on CPU at most 8")
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 20
-    decay: str = choice("linear", "linear", "cosine", "wsd", "constant")
+    # The learning-rate schedule. It is the run's, not an optimizer's: it counts this section's
+    # steps (max_steps, like eval_every) and moves every optimizer and every part of one (Muon's
+    # matrices and its AdamW groups) together, each from its own peak, optim.NAME.lr.
+    warmup_steps: int = doc(20, "learning-rate warm-up: linear from 0 to each peak over this many steps")
+    decay: str = choice("linear", "linear", "cosine", "wsd", "constant",
+                        help="after the warm-up, from each peak down to min_lr_ratio x that peak at max_steps")
     wsd_decay_fraction: float = doc(0.2, "WSD: the last fraction of steps that decays")
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    min_lr_ratio: float = doc(0.1, "where the decay ends, as a fraction of each optimizer's peak rate "
+                                   "(optim.adamw.lr, optim.muon.lr, ...)")
     grad_clip: float = doc(1.0, "max global grad norm; 0 disables")
     eval_every: int = doc(100, "steps between validation passes; 0 = only at the end")
     eval_batches: int = doc(20, "micro-batches per validation pass, over all ranks, spread across the whole "
@@ -172,23 +169,18 @@ class TrainConfig:
     compile_mode: str = choice("default", "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead",
                                help="torch.compile mode (autotuning costs minutes of compile time; reduce-overhead "
                                     "replays CUDA graphs)")
-    eval_compile: bool = doc(True, "with train.compile: evaluate through compiled graphs too: the training "
-                                   "graphs for a model without dropout on one GPU or DDP (nothing more to "
-                                   "compile), else no-grad graphs of its own (false: eager; worth it for a "
-                                   "few short evaluations, where compiling those costs more than it saves)")
-    time_limit_s: float = doc(0.0, "stop cleanly after this many seconds (0 = no limit)")
-    schedule_clock: str = choice("steps", "steps", "time",
-                                 help="what the learning-rate schedule's progress counts: steps (step / max_steps; "
-                                      "a pure function of the step, so a resume is bit-exact) or time (the larger "
-                                      "of step / max_steps and elapsed / train.time_limit_s: the decay ends, and the "
-                                      "run with it, at the time limit on a slow machine; the rates then depend on "
-                                      "the clock)")
+    time_limit_s: float = doc(0.0, "stop cleanly after this many seconds wherever the schedule is, with a "
+                                   "checkpoint to resume from (a job's wall-clock limit); 0 = no limit")
+    time_budget_s: float = doc(0.0, "train for this long: the schedule's progress is the larger of step / "
+                                    "max_steps and elapsed / this, so its decay ends, and the run with it, at "
+                                    "this many seconds on a machine too slow for max_steps (the rates then "
+                                    "depend on the clock, and a resume is not bit-exact); 0 = the schedule "
+                                    "counts steps only")
     on_nan: str = choice("skip", "skip", "stop", "off",
                          help="a NaN/Inf loss or gradient: skip the step, stop, or off (no check: no host sync per step)")
     max_nan_skips: int = doc(10, "on_nan=skip: stop after this many skipped steps")
     on_save_error: str = choice("stop", "stop", "continue", help="a checkpoint cannot be written: stop or go on")
     watchdog_s: float = doc(1800.0, "a rank with no progress this long dumps its stack and exits (0 = off)")
-    stop_check_every: int = doc(1, "steps between checks for SIGTERM/SIGINT across ranks")
     seq_warmup_steps: int = doc(0, "sequence-length warm-up: for this many first steps each block of "
                                    "model.block_size tokens is cut into shorter rows (same tokens, same order, "
                                    "shorter attention context), doubling from train.seq_warmup_start in equal "
@@ -206,31 +198,56 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = doc(6e-4, "AdamW's peak learning rate (optim.name=adamw: every parameter; muon: the embeddings, "
+                          "head, norms and biases)")
+    beta1: float = doc(0.9, "AdamW: the first moment's decay")
+    beta2: float = doc(0.95, "AdamW: the second moment's decay")
+    eps: float = doc(1e-8, "AdamW: added to the second moment's root")
+    weight_decay: float = doc(0.1, "AdamW: decoupled weight decay on the matrices that are not embeddings")
+
+
+@dataclass(frozen=True)
+class MuonConfig:
+    lr: float = doc(0.02, "Muon's peak learning rate, for the blocks' weight matrices")
+    momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
+    ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (in optim.muon.ns_dtype)")
+    ns_dtype: str = choice("auto", "auto", "bf16", "fp32",
+                           help="Muon: the dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA, on a CPU "
+                                "whichever a timed matmul finds faster (fp32 where bf16 has no fast path, "
+                                "e.g. AVX2-only CPUs), the same on every rank")
+    weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
+    embed_lr: float = doc(0.0, "Muon's AdamW part: the peak rate of the embedding tables (token and value "
+                               "embeddings), in a group of their own; 0 = optim.adamw.lr, as the rest of that "
+                               "part. Needs an untied head")
+
+
+@dataclass(frozen=True)
+class LionConfig:
+    lr: float = doc(1e-4, "Lion's peak learning rate (the paper's advice: 3-10x below AdamW's)")
+    beta1: float = doc(0.9, "Lion: the update is sign(beta1 m + (1 - beta1) g)")
+    beta2: float = doc(0.99, "Lion: the momentum m <- beta2 m + (1 - beta2) g")
+    weight_decay: float = doc(1.0, "Lion: decoupled weight decay on the matrices that are not embeddings "
+                                   "(3-10x above AdamW's, so that lr x decay stays about the same)")
+
+
+@dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer (distlm/optim/): ``name`` picks one from the registry, the fields after it
-    belong to one optimizer each and say which by their prefix. The learning-rate schedule
-    (train.lr, min_lr, warm-up, decay) drives every optimizer; AdamW's own settings
-    (train.beta1, beta2, eps, weight_decay) stay with it in ``train``, as every optimizer here
-    keeps AdamW for some parameters."""
+    """The optimizer (distlm/optim/): ``name`` picks one from the registry; each optimizer's settings
+    are its own part, ``optim.NAME.*``, and only the chosen one's are read. Muon is a combined
+    optimizer: its matrices take ``optim.muon.*``, the rest of the model (embeddings, head, norms,
+    biases) AdamW with ``optim.adamw.*``, the same settings AdamW alone takes, and
+    ``optim.muon.embed_lr`` gives the embedding tables of that AdamW part their own rate. The
+    learning-rate schedule (train.warmup_steps, decay, min_lr_ratio) is the run's and scales every
+    peak alike."""
     name: str = choice("adamw", "adamw", "muon", "lion",
                        help="adamw: AdamW for every parameter; muon: Muon (orthogonalised momentum) for the "
                             "blocks' weight matrices, AdamW for embeddings, head, norms and biases "
                             "(distlm/optim/muon.py); lion: the sign of an interpolated momentum for every "
                             "parameter, one state tensor each (distlm/optim/lion.py)")
-    muon_lr: float = doc(0.02, "Muon's peak learning rate; the train.lr schedule scales it by muon_lr/lr")
-    embed_lr: float = doc(0.0, "optim.name=muon: AdamW's peak rate for the embedding tables (token and "
-                               "value embeddings), on train.lr's schedule; 0 = train.lr. Needs an untied head")
-    muon_momentum: float = doc(0.95, "Muon: Nesterov momentum coefficient")
-    muon_ns_steps: int = doc(5, "Muon: Newton-Schulz iterations (in optim.muon_ns_dtype)")
-    muon_ns_dtype: str = choice("auto", "auto", "bf16", "fp32",
-                                help="Muon: the dtype of the Newton-Schulz matmuls; auto = bf16 on CUDA, on a CPU "
-                                     "whichever a timed matmul finds faster (fp32 where bf16 has no fast path, "
-                                     "e.g. AVX2-only CPUs)")
-    muon_weight_decay: float = doc(0.0, "Muon: decoupled weight decay on the matrices it updates")
-    lion_beta1: float = doc(0.9, "Lion: the update is sign(beta1 m + (1 - beta1) g)")
-    lion_beta2: float = doc(0.99, "Lion: the momentum m <- beta2 m + (1 - beta2) g")
-    lion_weight_decay: float = doc(1.0, "Lion: decoupled weight decay on the matrices that are not embeddings "
-                                        "(Lion wants train.lr 3-10x below AdamW's and this 3-10x above)")
+    adamw: AdamWConfig = field(default_factory=AdamWConfig, metadata={"help": "AdamW: optim.adamw.*"})
+    muon: MuonConfig = field(default_factory=MuonConfig, metadata={"help": "Muon: optim.muon.*"})
+    lion: LionConfig = field(default_factory=LionConfig, metadata={"help": "Lion: optim.lion.*"})
 
 
 @dataclass(frozen=True)
@@ -275,7 +292,6 @@ class LogConfig:
     wandb: bool = doc(False, "log to Weights & Biases when it is installed")
     wandb_project: str = "distlm"
     progress: bool = doc(True, "show a progress bar")
-    peak_tflops: float = doc(0.0, "override the device's peak bf16 TFLOP/s for MFU (0 = look it up)")
     samples: int = doc(3, "language model: text samples from log.sample_prompt at each evaluation and at the "
                           "end (console, TensorBoard text, RUN/samples.txt); sample i uses seed i; 0 = none")
     sample_prompt: str = doc("It was a dark and stormy night", "the prompt log.samples continue")
@@ -329,6 +345,40 @@ def list_presets() -> list[str]:
 def _suggest(name: str, options) -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the tree, the fields of nested sections included, in the tree's order."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, (typ, _) in _field_types(cls).items():
+            if dataclasses.is_dataclass(typ):
+                walk(typ, f"{prefix}{name}.")
+            else:
+                out.append(f"{prefix}{name}")
+
+    for section, cls in SECTIONS.items():
+        walk(cls, f"{section}.")
+    return out
+
+
+def _suggest_key(key: str) -> str:
+    """The did-you-mean of an unknown dotted key: a field of the same name elsewhere in the tree
+    (train.lr -> optim.adamw.lr: the first in the tree's order), else the nearest spelling among
+    the keys of its section (optim.muon_lr -> optim.muon.lr). Shown as the field's name when it
+    sits beside the unknown key, else as the whole key."""
+    keys = all_keys()
+    parent, _, leaf = key.rpartition(".")
+    section = key.split(".", 1)[0]
+    close = [k for k in keys if k.rpartition(".")[2] == leaf][:1]
+    if not close:
+        inside = {k[len(section) + 1:]: k for k in keys if k.startswith(section + ".")}
+        close = [inside[k] for k in difflib.get_close_matches(key[len(section) + 1:], list(inside), n=1)]
+    if not close:
+        return ""
+    shown = close[0].rpartition(".")[2] if close[0].rpartition(".")[0] == parent else close[0]
+    return f" (did you mean '{shown}'?)"
 
 
 def _preset_path(name: str) -> Path:
@@ -448,7 +498,7 @@ class _Values:
             self._set_nested(section, head, fields[head][0], rest, value)
             return
         if key not in fields:
-            raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(key, fields)}")
+            raise ConfigError(f"unknown config key '{section}.{key}'{_suggest_key(f'{section}.{key}')}")
         typ, f = fields[key]
         self.values[section][key] = _coerce(f"{section}.{key}", value, typ, f)
 
@@ -463,7 +513,7 @@ class _Values:
             return
         fields = _field_types(cls)
         if key not in fields:
-            raise ConfigError(f"unknown config key '{where}.{key}'{_suggest(key, fields)}")
+            raise ConfigError(f"unknown config key '{where}.{key}'{_suggest_key(f'{where}.{key}')}")
         typ, f = fields[key]
         self.values[section][name][key] = _coerce(f"{where}.{key}", value, typ, f)
 
@@ -491,12 +541,50 @@ def _nested(cls: type, values: dict) -> dict:
             for k, v in values.items()}
 
 
-def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
-    """Build the config: defaults <- FILE or preset <- dotted overrides, then validate."""
+# A preset's top-level ``data_parallel`` mapping: the values it gives a run of one data-parallel
+# degree, e.g. speedrun-124m's {4: {train: {global_batch_size: 64, max_steps: 300, ...}}}. A row
+# replaces the file's own values when the run's degree is the one it names, whole: a command
+# line that gives any of its keys leaves the row out (a row is one recipe, the batch and the
+# step counts that keep its tokens; half of one would be neither). A saved config is resolved
+# and has no table.
+DATA_PARALLEL = "data_parallel"
+
+
+def _data_parallel_table(table: Any, origin: str) -> dict[int, dict]:
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{origin}: {DATA_PARALLEL} must map a data-parallel degree to sections, got "
+                          f"{_shown(table)}")
+    out = {}
+    for degree, sections in table.items():
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ConfigError(f"{origin}: {DATA_PARALLEL}: {_shown(degree)} is not a data-parallel degree "
+                              f"(a positive integer)")
+        if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
+            raise ConfigError(f"{origin}: {DATA_PARALLEL}.{degree} must map sections to their fields")
+        try:  # every key and value checked now, whatever degree this run has
+            _Values().merge(sections, f"{origin}: {DATA_PARALLEL}.{degree}")
+        except ConfigError as e:
+            raise ConfigError(str(e) if str(e).startswith(origin) else f"{origin}: {DATA_PARALLEL}.{degree}: {e}") \
+                from None
+        out[degree] = {f"{section}.{key}": value for section, fields in sections.items()
+                       for key, value in fields.items()}
+    return out
+
+
+def load_config(config: str | None = None, overrides: list[str] = (), notes: Optional[list] = None) -> Config:
+    """Build the config: defaults <- FILE or preset (with its data_parallel row for this run's
+    data-parallel degree) <- dotted overrides, then validate. ``notes``: a list that gets a line
+    saying what a data_parallel row changed, or why it was left out."""
     values = _Values()
+    table: dict[int, dict] = {}
     if config:
         path = _preset_path(config)
-        values.merge(_read_yaml(path), str(path))
+        data = dict(_read_yaml(path))
+        table = _data_parallel_table(data.pop(DATA_PARALLEL, None), str(path))
+        values.merge(data, str(path))
+    given: set[str] = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. train.max_steps=100)")
@@ -506,12 +594,28 @@ def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
             continue
         if key == "task":  # task=classify: shorthand for task.name=classify
             values.set("task", "name", value)
+            given.add("task.name")
             continue
         if "." not in key:
             raise ConfigError(f"override '{item}': key must be section.field{_suggest(key, SECTIONS)}")
         section, name = key.split(".", 1)
         # The raw string: the field's type converts it (YAML would read "off" as False).
         values.set(section, name, value)
+        given.add(key)
+    degree = Layout.of(types.SimpleNamespace(**values.values["parallel"])).dp_size
+    row = table.get(degree, {})
+    if row:
+        said = ", ".join(f"{k}={_shown(v)}" for k, v in row.items())
+        mine = [k for k in row if k in given]
+        if mine:  # the row is one recipe: a command line that changes part of it writes its own
+            note = f"its {DATA_PARALLEL} row ({said}) left out: {', '.join(mine)} given on the command line"
+        else:
+            note = f"{said} (its {DATA_PARALLEL} table)"
+            for key, value in row.items():
+                section, name = key.split(".", 1)
+                values.set(section, name, value)
+        if notes is not None:
+            notes.append(f"{Path(config).stem} on {degree} data-parallel ranks: {note}")
     cfg = values.build()
     validate(cfg)
     return cfg
@@ -564,12 +668,9 @@ def validate_settings(cfg: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {v}")
     _validate_numbers(cfg)  # before anything below computes with a value
     o = cfg.optim
-    if o.embed_lr and o.name != "muon":
-        raise ConfigError(f"optim.embed_lr={o.embed_lr} applies to optim.name=muon only (got {o.name}); with "
-                          f"{o.name} every table trains at train.lr")
-    if o.embed_lr and m.tie_embeddings:
-        raise ConfigError(f"optim.embed_lr={o.embed_lr} needs model.tie_embeddings=false: a tied table is also "
-                          f"the head, which trains at train.lr")
+    if o.name == "muon" and o.muon.embed_lr and m.tie_embeddings:
+        raise ConfigError(f"optim.muon.embed_lr={o.muon.embed_lr} needs model.tie_embeddings=false: a tied table "
+                          f"is also the head, which trains at optim.adamw.lr")
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if m.position == "rope" and m.head_dim % 2:
@@ -583,8 +684,6 @@ def validate_settings(cfg: Config) -> None:
     _validate_run_name(cfg.log.name)
     if cfg.data.mix and (cfg.data.dir or cfg.data.source == "synthetic"):
         raise ConfigError("data.mix trains on its own folders: leave data.dir unset and data.source=tokens")
-    if t.min_lr > t.lr:
-        raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     _validate_seq_warmup(cfg)
     _validate_task(cfg)
     _validate_fp8(cfg)
@@ -648,19 +747,21 @@ def _in_unit(closed_top: bool):
 # The numbers a typo can make absurd, with what they must be. A NaN passes no comparison
 # and is reported by the finiteness check, which runs first over every float field.
 _RANGES = {
-    "train.lr": _above(0), "train.min_lr": _at_least(0), "train.beta1": _in_unit(False),
-    "train.beta2": _in_unit(False), "train.eps": _above(0), "train.weight_decay": _at_least(0),
-    "train.grad_clip": _at_least(0), "train.warmup_steps": _at_least(0), "train.keep_last": _at_least(0),
-    "train.eval_every": _at_least(0), "train.min_local_batch": _at_least(0), "train.eval_batches": _at_least(0), "train.checkpoint_every": _at_least(0),
-    "train.time_limit_s": _at_least(0), "train.max_nan_skips": _at_least(0), "train.watchdog_s": _at_least(0),
-    "train.stop_check_every": _at_least(1), "train.wsd_decay_fraction": _in_unit(True),
+    "train.min_lr_ratio": _in_unit(True), "train.grad_clip": _at_least(0), "train.warmup_steps": _at_least(0),
+    "train.keep_last": _at_least(0), "train.eval_every": _at_least(0), "train.eval_batches": _at_least(0),
+    "train.checkpoint_every": _at_least(0), "train.time_limit_s": _at_least(0), "train.time_budget_s": _at_least(0),
+    "train.max_nan_skips": _at_least(0), "train.watchdog_s": _at_least(0), "train.wsd_decay_fraction": _in_unit(True),
+    "train.seq_warmup_steps": _at_least(0),
     "model.norm_eps": _above(0), "model.rope_theta": _above(0), "model.init_std": _above(0),
     "model.loss_chunk": _at_least(0), "model.vocab_pad_multiple": _at_least(1), "parallel.timeout_s": _at_least(1),
-    "log.samples": _at_least(0), "log.peak_tflops": _at_least(0), "model.logit_softcap": _at_least(0),
-    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0), "optim.muon_lr": _above(0),
-    "optim.embed_lr": _at_least(0), "optim.muon_momentum": _in_unit(False), "optim.muon_ns_steps": _at_least(1),
-    "optim.muon_weight_decay": _at_least(0), "train.seq_warmup_steps": _at_least(0),
-    "optim.lion_beta1": _in_unit(True), "optim.lion_beta2": _in_unit(False), "optim.lion_weight_decay": _at_least(0),
+    "log.samples": _at_least(0), "model.logit_softcap": _at_least(0),
+    "model.attn_window": _at_least(0), "model.value_embeds": _at_least(0),
+    "optim.adamw.lr": _above(0), "optim.adamw.beta1": _in_unit(False), "optim.adamw.beta2": _in_unit(False),
+    "optim.adamw.eps": _above(0), "optim.adamw.weight_decay": _at_least(0),
+    "optim.muon.lr": _above(0), "optim.muon.momentum": _in_unit(False), "optim.muon.ns_steps": _at_least(1),
+    "optim.muon.weight_decay": _at_least(0), "optim.muon.embed_lr": _at_least(0),
+    "optim.lion.lr": _above(0), "optim.lion.beta1": _in_unit(True), "optim.lion.beta2": _in_unit(False),
+    "optim.lion.weight_decay": _at_least(0),
 }
 
 
@@ -675,32 +776,45 @@ _UPPER = {
     "model.block_size": 1 << 24, "model.vocab_size": 1 << 24, "model.vocab_pad_multiple": 1 << 16,
     "model.value_embeds": 1 << 12, "model.attn_window": 1 << 24, "model.loss_chunk": 1 << 30,
     "train.global_batch_size": 1 << 24, "train.micro_batch_size": 1 << 24, "train.seq_warmup_start": 1 << 24,
-    "optim.muon_ns_steps": 1 << 10, "parallel.pp_microbatches": 1 << 20, "parallel.pp_virtual_stages": 1 << 10,
+    "optim.muon.ns_steps": 1 << 10, "parallel.pp_microbatches": 1 << 20, "parallel.pp_virtual_stages": 1 << 10,
     "parallel.ddp_bucket_mb": 1 << 20, "log.samples": 1 << 10, "model.norm_eps": 1.0,
 }
 # Every other integer must fit the int64 that torch and numpy hold it in (a seed, a step count).
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
+def _leaves(obj, prefix: str):
+    """(dotted key, value) of every field of a section, nested sections' fields included."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _leaves(v, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", v
+
+
+def _value(cfg: Config, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _validate_numbers(cfg: Config) -> None:
     for section in SECTIONS:
-        sub = getattr(cfg, section)
-        for f in dataclasses.fields(sub):
-            v = getattr(sub, f.name)
-            if dataclasses.is_dataclass(v):
-                continue  # a nested section checks its own numbers (_validate_moe)
+        for key, v in _leaves(getattr(cfg, section), f"{section}."):
+            if key.startswith("model.moe."):
+                continue  # checked with their names by _validate_moe
             if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{section}.{f.name} must be a finite number, got {v}")
+                raise ConfigError(f"{key} must be a finite number, got {v}")
             if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
-                raise ConfigError(f"{section}.{f.name}={_shown(v)} is out of range: integers must fit in 64 bits")
+                raise ConfigError(f"{key}={_shown(v)} is out of range: integers must fit in 64 bits")
     for key, most in _UPPER.items():
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
+        v = _value(cfg, key)
         if v is not None and v > most:
             raise ConfigError(f"{key}={v} is above {most:,}, the most distlm accepts for it")
     for key, (ok, what) in _RANGES.items():
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
+        v = _value(cfg, key)
         if v is not None and not ok(v):  # None: auto, chosen in range at start-up
             raise ConfigError(f"{key} must be {what}, got {v}")
 

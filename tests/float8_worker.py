@@ -29,8 +29,8 @@ from muon_worker import full, run_steps  # noqa: E402  (tests/ is on sys.path)
 # AdamW's eps is raised to 1e-5: the k-projection's bias gets no gradient but rounding noise
 # (softmax ignores a shift of all keys), which eps=1e-8 turns into full +-lr steps.
 MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=96", "model.block_size=16",
-         "model.vocab_size=256", "model.position=learned", "model.tie_embeddings=false", "train.lr=1e-3",
-         "train.eps=1e-5", "train.global_batch_size=8", "train.micro_batch_size=4", "train.compile=false",
+         "model.vocab_size=256", "model.position=learned", "model.tie_embeddings=false", "optim.adamw.lr=1e-3",
+         "optim.adamw.eps=1e-5", "train.global_batch_size=8", "train.micro_batch_size=4", "train.compile=false",
          "parallel.timeout_s=60"]
 JOBS = {"fsdp2-tensorwise": ["parallel.dp_shard=2", "train.fp8=tensorwise"],
         "fsdp2-rowwise": ["parallel.dp_shard=2", "train.fp8=rowwise"],

@@ -26,15 +26,15 @@ from distlm.train.optim import build_optimizer
 
 STEPS, BATCH = 3, 8
 # Learned positions, untied head, biases, SwiGLU (a third matrix shape) and a d_ff that is
-# not d: AdamW and Muon groups (the embedding tables in their own, optim.embed_lr), square, tall and
+# not d: AdamW and Muon groups (the embedding tables in their own, optim.muon.embed_lr), square, tall and
 # wide matrices, Shard(0) and Shard(1) under TP.
 # AdamW's eps is raised to 1e-5: the k-projection's bias gets no gradient but rounding noise
 # (softmax ignores a shift of all keys), which eps=1e-8 turns into full +-lr steps that
 # differ between layouts (measured 4e-6 .. 1.6e-5 after 3 steps; Muon's matrices 1e-7).
 MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=96", "model.block_size=16",
          "model.vocab_size=256", "model.position=learned", "model.mlp=swiglu", "model.tie_embeddings=false",
-         "optim.name=muon", "train.lr=1e-3", "train.eps=1e-5", "optim.muon_lr=0.02", "optim.embed_lr=3e-3", "train.weight_decay=0.1",
-         "optim.muon_weight_decay=0.1", "train.global_batch_size=8", "train.micro_batch_size=2",
+         "optim.name=muon", "optim.adamw.lr=1e-3", "optim.adamw.eps=1e-5", "optim.muon.lr=0.02", "optim.muon.embed_lr=3e-3", "optim.adamw.weight_decay=0.1",
+         "optim.muon.weight_decay=0.1", "train.global_batch_size=8", "train.micro_batch_size=2",
          "parallel.timeout_s=60", "parallel.loss_parallel=false"]
 LAYOUTS = {"ddp2": ["parallel.dp_replicate=2"], "fsdp2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"]}
 # 4 ranks: run by test_muon.py only when DISTLM_TEST_4RANKS=1 (on 2 cores a 4-rank launch
@@ -77,7 +77,7 @@ def run_steps(cfg, model, opt, dims: ParallelDims | None = None) -> list[float]:
         x, y = batch(step, cfg.model.vocab_size, cfg.model.block_size)
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
         for g in opt.param_groups:
-            g["lr"] = cfg.train.lr
+            g["lr"] = cfg.optim.adamw.lr
         loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()

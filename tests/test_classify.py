@@ -35,8 +35,8 @@ TOPICS = {
 }
 FILLER = "the a of and to in is was it for on that with as at by this from or be were".split()
 TINY = ["task=classify", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64",
-        "model.block_size=24", "model.position=learned", "model.tie_embeddings=false", "train.lr=3e-3",
-        "train.min_lr=3e-4", "train.warmup_steps=2", "log.progress=false", "log.tensorboard=false"]
+        "model.block_size=24", "model.position=learned", "model.tie_embeddings=false", "optim.adamw.lr=3e-3",
+        "train.min_lr_ratio=0.1", "train.warmup_steps=2", "log.progress=false", "log.tensorboard=false"]
 
 
 def toy_rows(n: int, seed: int) -> list[dict]:

@@ -16,14 +16,17 @@ def test_every_preset_loads_and_builds(name):
 
 
 def test_overrides_and_model_preset_swap():
-    cfg = load_config("tiny", ["model=gpt2-124m", "train.max_steps=7", "train.lr=1e-3", "model.bias=false"])
+    cfg = load_config("tiny", ["model=gpt2-124m", "train.max_steps=7", "optim.adamw.lr=1e-3", "model.bias=false"])
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.bias) == (12, 768, False)
-    assert cfg.train.max_steps == 7 and cfg.train.lr == 1e-3
+    assert cfg.train.max_steps == 7 and cfg.optim.adamw.lr == 1e-3
     assert cfg.train.global_batch_size == 16  # from tiny, untouched by the model swap
 
 
 @pytest.mark.parametrize("overrides,needle", [
     (["train.max_stpes=3"], "did you mean 'max_steps'"),
+    (["train.lr=3e-4"], "unknown config key 'train.lr' (did you mean 'optim.adamw.lr'?)"),
+    (["optim.adamw.lrr=3e-4"], "unknown config key 'optim.adamw.lrr' (did you mean 'lr'?)"),
+    (["optim.adamw=3"], "optim.adamw must be a mapping of its fields"),
     (["trian.max_steps=3"], "did you mean 'train'"),
     (["model=gpt2-124"], "did you mean 'gpt2-124m'"),
     (["model.position=rotary"], "model.position: 'rotary' is not one of"),
@@ -65,3 +68,44 @@ def test_whole_model_compile_refused_with_sharded_layouts():
     with pytest.raises(ConfigError, match="train.compile_scope=model"):
         load_config(None, ["train.compile=true", "train.compile_scope=model", "parallel.dp_shard=2"])
     assert load_config(None, ["train.compile=true", "train.compile_scope=model"]).train.compile_scope == "model"
+
+
+# Fields taken out of the tree: each is what a run derives, or a constant, with the reason beside
+# it in the code; the old key is unknown.
+@pytest.mark.parametrize("key", ["train.stop_check_every=2", "train.eval_compile=false", "train.min_local_batch=16",
+                                 "train.schedule_clock=time", "log.peak_tflops=989"])
+def test_an_internal_knob_is_not_a_field(key):
+    with pytest.raises(ConfigError, match=f"unknown config key '{key.split('=')[0]}'"):
+        load_config(None, [key])
+
+
+def test_a_preset_data_parallel_row_sets_its_values_unless_the_command_line_gives_one():
+    notes = []
+    cfg = load_config("speedrun-124m", ["parallel.dp_replicate=4"], notes=notes)
+    t = cfg.train
+    assert (t.global_batch_size, t.max_steps, t.warmup_steps, t.eval_every) == (64, 300, 10, 100)
+    row = "train.global_batch_size=64, train.max_steps=300, train.warmup_steps=10, train.eval_every=100"
+    assert notes == [f"speedrun-124m on 4 data-parallel ranks: {row} (its data_parallel table)"]
+    # a row is one recipe: a command line that gives part of it writes its own, and is told so
+    notes = []
+    given = load_config("speedrun-124m", ["parallel.dp_shard=4", "train.max_steps=1000"], notes=notes).train
+    assert (given.global_batch_size, given.max_steps, given.warmup_steps) == (32, 1000, 20)
+    assert notes == [f"speedrun-124m on 4 data-parallel ranks: its data_parallel row ({row}) left out: "
+                     f"train.max_steps given on the command line"]
+    notes = []
+    assert load_config("speedrun-124m", ["parallel.dp_replicate=2"], notes=notes).train.global_batch_size == 32
+    assert notes == []  # no row for 2: the preset as written
+
+
+@pytest.mark.parametrize("table,needle", [
+    ("data_parallel: 3", "data_parallel must map a data-parallel degree to sections"),
+    ("data_parallel: {0: {train: {max_steps: 1}}}", "0 is not a data-parallel degree"),
+    ("data_parallel: {4: {train: {max_stpes: 1}}}", "unknown config key 'train.max_stpes'"),
+    ("data_parallel: {4: {train: 1}}", "data_parallel.4 must map sections to their fields"),
+])
+def test_a_bad_data_parallel_table_is_named(tmp_path, table, needle):
+    path = tmp_path / "p.yaml"
+    path.write_text(f"train:\n  max_steps: 5\n{table}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert needle in str(e.value) and str(path) in str(e.value)

@@ -171,7 +171,7 @@ TRAIN_STEPS, TRAIN_SAVE = 6, 3
 TRAIN = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=128", "model.block_size=32",
          "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
          f"train.max_steps={TRAIN_STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2",
-         "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
+         "optim.adamw.lr=1e-2", "train.min_lr_ratio=0.1", "train.warmup_steps=2", "train.grad_clip=0.3",
          "train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=5", "log.every=1",
          "log.progress=false", "log.tensorboard=false", "log.samples=0", "parallel.timeout_s=60"]
 TRAIN_VARIANTS = {"gpt2": [], "llama": VARIANTS["llama"][len(MODEL):], "modern": VARIANTS["modern"][len(MODEL):],
@@ -182,7 +182,7 @@ TRAIN_VARIANTS = {"gpt2": [], "llama": VARIANTS["llama"][len(MODEL):], "modern":
 def with_data(data: Path) -> list[str]:
     """Real tokens and a validation split, so that evaluation runs through the context split."""
     return [f"data.dir={data}", "data.source=tokens", "model.vocab_size=null", "train.eval_every=3",
-            "train.eval_batches=4", "train.lr=2e-3", "train.min_lr=2e-4", "train.eps=1e-5"]
+            "train.eval_batches=4", "optim.adamw.lr=2e-3", "train.min_lr_ratio=0.1", "optim.adamw.eps=1e-5"]
 
 
 def trainer_job(root: Path, name: str, variant: str, *extra: str) -> dict:

@@ -41,7 +41,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 BASE = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=256", "model.block_size=32",
         "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
         f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=4",
-        "train.lr=3e-2", "train.min_lr=3e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
+        "optim.adamw.lr=3e-2", "train.min_lr_ratio=0.1", "train.warmup_steps=2", "train.grad_clip=0.3",
         "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
         "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
 

@@ -19,7 +19,7 @@ MOE = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=128"
        "model.vocab_size=256", "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false",
        "model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=32", "model.moe.shared=1",
        "model.moe.bias_rate=0.01", "data.source=synthetic", f"train.max_steps={STEPS}", "train.global_batch_size=16",
-       "train.micro_batch_size=4", "train.lr=3e-2", "train.min_lr=3e-3", "train.warmup_steps=2",
+       "train.micro_batch_size=4", "optim.adamw.lr=3e-2", "train.min_lr_ratio=0.1", "train.warmup_steps=2",
        "train.grad_clip=0.3", "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
        "log.every=1", "log.progress=false", "parallel.timeout_s=60"]
 LOAD_TAGS = [f"train/moe/{i}/{what}" for i in (0, 1) for what in ("load_max_over_mean", "load_min_over_mean",
@@ -48,7 +48,7 @@ def reference(root):
     return trace(root / "ref")
 
 
-MUON = ["optim.name=muon", "optim.muon_ns_dtype=fp32", "model.tie_embeddings=false"]
+MUON = ["optim.name=muon", "optim.muon.ns_dtype=fp32", "model.tie_embeddings=false"]
 
 
 @pytest.fixture(scope="module")

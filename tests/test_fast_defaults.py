@@ -249,7 +249,7 @@ def test_the_readme_bench_gets_the_fast_settings(tmp_path):
     assert r["peak_mem_gb"] < free, r
 
 
-# ---- train.min_local_batch: the recipe for the GPU count ---------------------------------
+# ---- speedrun-124m's data_parallel table: the recipe for the GPU count --------------------
 @pytest.mark.parametrize("dp, expect", [
     (1, None), (2, None),  # 32 and 16 a rank: the preset as written
     (4, dict(global_batch_size=64, max_steps=300, warmup_steps=10, eval_every=100)),
@@ -261,32 +261,21 @@ def test_speedrun_keeps_16_sequences_a_gpu_and_its_tokens(dp, expect):
     t = got.cfg.train
     if expect is None:
         assert (t.global_batch_size, t.max_steps, t.warmup_steps, t.eval_every) == (32, 600, 20, 200)
-        assert "train.global_batch_size" not in got.chosen
     else:
         assert {k: getattr(t, k) for k in expect} == expect
         assert t.global_batch_size * t.max_steps == 32 * 600  # the same tokens
-        assert got.chosen["train.global_batch_size"] == expect["global_batch_size"]
-        assert f"train.global_batch_size={expect['global_batch_size']}, train.max_steps={expect['max_steps']}" in got.line
-        assert t.micro_batch_size == 16  # auto: the whole local batch in one forward
+    assert "train.global_batch_size" not in got.chosen  # the preset's table, not a fast default
+    assert t.micro_batch_size == 16 if dp > 1 else 32  # auto: the whole local batch in one forward
 
 
-def test_min_local_batch_counts_data_parallel_ranks_only_and_zero_is_off():
-    # TP2 x DDP2: 2 data-parallel ranks, 16 sequences each
-    cfg, dims = cfg_for({"dp_replicate": 2, "tp": 2}, "train.global_batch_size=32", "train.max_steps=100",
-                        "train.min_local_batch=16")
-    assert choose(cfg, GPU80, dims).cfg.train.global_batch_size == 32
-    # FSDP over 4 with 24 a step: 6 a rank -> 64 a step; 90 steps / (64/24) -> 34; a step count of 0 stays 0
-    cfg, dims = cfg_for({"dp_shard": 4}, "train.global_batch_size=24", "train.max_steps=90",
-                        "train.min_local_batch=16", "train.eval_every=0", "train.checkpoint_every=0")
+def test_the_table_is_the_preset_s_and_another_preset_has_none():
+    # FSDP over 4 reads the same table (4 data-parallel ranks); TP2 x DDP2 has 2: the preset as written
+    assert cfg_for({"dp_shard": 4}, preset="speedrun-124m")[0].train.global_batch_size == 64
+    assert cfg_for({"dp_replicate": 2, "tp": 2}, preset="speedrun-124m")[0].train.global_batch_size == 32
+    cfg, dims = cfg_for({"dp_shard": 4}, "train.global_batch_size=24", "train.max_steps=90", "train.micro_batch_size=auto",
+                        preset="gpt2-124m")
     t = choose(cfg, GPU80, dims).cfg.train
-    assert (t.global_batch_size, t.max_steps, t.eval_every, t.checkpoint_every) == (64, 34, 0, 0)
-    cfg, dims = cfg_for({"dp_replicate": 4}, "train.min_local_batch=0", preset="speedrun-124m")
-    assert choose(cfg, GPU80, dims).cfg.train.global_batch_size == 32
-
-
-def test_min_local_batch_is_checked():
-    with pytest.raises(ConfigError, match="train.min_local_batch"):
-        load_config(None, ["train.min_local_batch=-1"])
+    assert (t.global_batch_size, t.max_steps) == (24, 90)  # nothing rescales a run behind its back
 
 
 def test_a_resume_on_more_gpus_that_grows_the_batch_is_refused_and_the_way_on_is_accepted():
@@ -295,7 +284,7 @@ def test_a_resume_on_more_gpus_that_grows_the_batch_is_refused_and_the_way_on_is
     eight, dims8 = cfg_for({"dp_replicate": 8}, preset="speedrun-124m")
     refused = differences(saved, choose(eight, GPU80, dims8).cfg)
     assert refused == [("train.global_batch_size", 64, 128)]
-    # the documented way on: the first run's batch and length, with the rule off
-    going_on, dims8 = cfg_for({"dp_replicate": 8}, "train.min_local_batch=0", "train.global_batch_size=64",
-                              "train.max_steps=300", preset="speedrun-124m")
+    # the documented way on: the first run's batch and length on the command line, which wins
+    going_on, dims8 = cfg_for({"dp_replicate": 8}, "train.global_batch_size=64", "train.max_steps=300",
+                              preset="speedrun-124m")
     assert differences(saved, choose(going_on, GPU80, dims8).cfg) == []

@@ -346,7 +346,7 @@ def test_inf_in_one_gradient_names_that_tensor_with_clipping(tmp_path):
 
 @pytest.mark.dist
 def test_nan_via_cli_exits_3_with_one_line(tmp_path):
-    p = fh.run(fh.train_cmd(tmp_path, "div", "train.lr=1e30", "train.min_lr=0", "train.on_nan=stop",
+    p = fh.run(fh.train_cmd(tmp_path, "div", "optim.adamw.lr=1e30", "train.min_lr_ratio=0", "train.on_nan=stop",
                             "train.checkpoint_every=1"))
     assert p.returncode == 3, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()

@@ -139,11 +139,11 @@ def test_resuming_a_finished_run_adds_no_row(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("train.lr=nan", "train.lr must be a finite number"), ("train.lr=inf", "train.lr must be a finite number"),
-    ("train.beta1=2", "train.beta1 must be in [0, 1)"), ("train.grad_clip=nan", "train.grad_clip must be a finite"),
+    ("optim.adamw.lr=nan", "optim.adamw.lr must be a finite number"), ("optim.adamw.lr=inf", "optim.adamw.lr must be a finite number"),
+    ("optim.adamw.beta1=2", "optim.adamw.beta1 must be in [0, 1)"), ("train.grad_clip=nan", "train.grad_clip must be a finite"),
     ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
-    ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"), ("train.keep_last=-1", "train.keep_last must be"),
-    ("train.eps=0", "train.eps must be > 0"),
+    ("optim.adamw.weight_decay=-0.1", "optim.adamw.weight_decay must be >= 0"), ("train.keep_last=-1", "train.keep_last must be"),
+    ("optim.adamw.eps=0", "optim.adamw.eps must be > 0"),
 ])
 def test_absurd_optimizer_numbers_are_refused_in_one_line(override, needle, capsys):
     from distlm.cli import main

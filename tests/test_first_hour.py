@@ -1,7 +1,7 @@
 """The first hour on a CPU (2026-11-27): speed that fits the CPU, a schedule that ends on time,
 progress a user can follow, and a record of every run, however short.
 
-    speed     Muon's Newton-Schulz dtype is measured per device (optim.muon_ns_dtype=auto):
+    speed     Muon's Newton-Schulz dtype is measured per device (optim.muon.ns_dtype=auto):
               fp32 where bf16 is measured slower, bf16 on CUDA; fp32 agrees with bf16 to
               bf16's rounding
     schedule  the CPU demo config's learning-rate schedule ends, with its final evaluation,
@@ -33,9 +33,10 @@ import torch
 
 from distlm.checkpoint import store as ckpt
 from distlm.config import load_config
-from distlm.train.matmul_dtype import MatmulDtypeProbe
+from distlm.optim.matmul_dtype import MatmulDtypeProbe
 from distlm.optim.muon import Muon, newton_schulz
-from distlm.train.optim import build_optimizer, resolve_ns_dtype
+from distlm.optim import REGISTRY
+from distlm.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The demo's model and schedule on random tokens of the demo's vocabulary: no corpus to prepare.
@@ -91,21 +92,22 @@ def test_auto_picks_fp32_where_bf16_is_measured_slower_and_measures_once():
 
     probe = MatmulDtypeProbe(measure=slow_bf16)
     cfg = load_config("demo", DEMO_SYNTHETIC)
-    assert cfg.optim.muon_ns_dtype == "auto"
+    assert cfg.optim.muon.ns_dtype == "auto"
+    resolve_ns_dtype = REGISTRY["muon"].resolve  # Muon's spec resolves its own setting
     resolved, line = resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), probe)
-    assert resolved.optim.muon_ns_dtype == "fp32"
-    assert line.startswith("optim.muon_ns_dtype=auto: fp32") and "bf16 46.40 ms, fp32 1.08 ms" in line
+    assert resolved.optim.muon.ns_dtype == "fp32"
+    assert line.startswith("optim.muon.ns_dtype=auto: fp32") and "bf16 46.40 ms, fp32 1.08 ms" in line
     assert probe.fastest("cpu") is torch.float32 and len(calls) == 2  # cached: not measured again
 
     fast_bf16 = MatmulDtypeProbe(measure=lambda d, dtype: {torch.bfloat16: 0.30e-3, torch.float32: 1.26e-3}[dtype])
-    assert resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), fast_bf16)[0].optim.muon_ns_dtype == "bf16"
+    assert resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), fast_bf16)[0].optim.muon.ns_dtype == "bf16"
 
     def never(device, dtype):
         raise AssertionError("CUDA is not timed: bf16 runs on tensor cores")
 
     assert MatmulDtypeProbe(measure=never).fastest(torch.device("cuda", 0)) is torch.bfloat16
     # An explicit value is kept, and nothing is measured for it.
-    explicit = load_config("demo", DEMO_SYNTHETIC + ["optim.muon_ns_dtype=bf16"])
+    explicit = load_config("demo", DEMO_SYNTHETIC + ["optim.muon.ns_dtype=bf16"])
     assert resolve_ns_dtype(explicit, torch.device("cpu"), OneComm(), MatmulDtypeProbe(measure=never))[1] is None
 
 
@@ -114,7 +116,7 @@ def test_build_optimizer_runs_newton_schulz_in_the_configured_dtype():
     cfg = load_config("demo", DEMO_SYNTHETIC)
     model = GPT(cfg.model)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        opt = build_optimizer(model, load_config("demo", DEMO_SYNTHETIC + [f"optim.muon_ns_dtype={name}"]), "cpu")
+        opt = build_optimizer(model, load_config("demo", DEMO_SYNTHETIC + [f"optim.muon.ns_dtype={name}"]), "cpu")
         assert isinstance(opt, Muon) and opt.ns_dtype is dtype
 
 
@@ -159,7 +161,7 @@ def test_demo_schedule_ends_at_its_time_limit_on_a_slow_machine(tmp_path, book_d
     from distlm.train.trainer import Trainer
     cfg = load_config("demo", [*CPU_OVERRIDES, f"data.dir={book_data}", "train.device=cpu", "log.samples=0", f"log.root={tmp_path}",
                                "log.name=slow", "log.progress=false", "log.every=1"])
-    assert cfg.train.schedule_clock == "time" and cfg.train.time_limit_s == 200 and cfg.train.max_steps == 600
+    assert cfg.train.time_budget_s == 200 and cfg.train.time_limit_s == 0 and cfg.train.max_steps == 600
     trainer = Trainer(cfg)
     simulated = [0.0]
     real_step = trainer.train_step
@@ -179,7 +181,7 @@ def test_demo_schedule_ends_at_its_time_limit_on_a_slow_machine(tmp_path, book_d
     table = rows(tmp_path / "slow")
     assert [r["step"] for r in table] == [str(s) for s in range(1, summary["step"] + 1)]
     lrs = [float(r["lr"]) for r in table]
-    peak, final = cfg.train.lr, cfg.train.min_lr
+    peak, final = cfg.optim.adamw.lr, cfg.optim.adamw.lr * cfg.train.min_lr_ratio
     assert lrs[-1] == final  # the cooldown ran to its end
     assert max(lrs) == pytest.approx(peak) and lrs.index(max(lrs)) < len(lrs) // 2  # warm-up and hold first
     after_peak = lrs[lrs.index(max(lrs)):]
@@ -225,7 +227,7 @@ def test_a_stopped_run_writes_its_last_steps_row(tmp_path, monkeypatch, one_thre
     import distlm.train.trainer as trainer_module
     from distlm.train.trainer import Trainer
     cfg = load_config("demo", DEMO_SYNTHETIC + [f"log.root={tmp_path}", "log.name=short", "log.progress=false",
-                                                "train.max_steps=2000", "log.every=50", "train.schedule_clock=steps"])
+                                                "train.max_steps=2000", "log.every=50", "train.time_budget_s=0"])
     trainer = Trainer(cfg)
     monkeypatch.setattr(trainer_module, "stop_reason",
                         lambda stop, t0, tcfg, step, *a: "a test's stop" if step == 3 else None)
@@ -309,8 +311,7 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
     cmd = [sys.executable, "-m", "distlm", "train", "--config", "demo", *DEMO_SYNTHETIC, f"log.root={tmp_path}",
-           "log.name=follow", "log.every=50", "train.max_steps=2000", "train.time_limit_s=0",
-           "train.schedule_clock=steps"]
+           "log.name=follow", "log.every=50", "train.max_steps=2000", "train.time_budget_s=0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
     os.close(slave)
     terminal: list = []
@@ -340,8 +341,8 @@ def test_console_rows_and_the_progress_bar_say_where_the_run_stands(tmp_path):
         assert f"step {step}/{total} | {times}" in bar, (step, times, bar[-2000:])
     assert "Warning" not in bar and "warning" not in stdout.lower(), (bar[-2000:], stdout)
     if x86:
-        assert "optim.muon_ns_dtype=auto: fp32 for Newton-Schulz" in stdout, stdout
-        assert "muon_ns_dtype: fp32" in (tmp_path / "follow" / "config.yaml").read_text()
+        assert "optim.muon.ns_dtype=auto: fp32 for Newton-Schulz" in stdout, stdout
+        assert "ns_dtype: fp32" in (tmp_path / "follow" / "config.yaml").read_text()
 
 
 # ---- a crash: the tour's step 5 ---------------------------------------------------------

@@ -17,7 +17,7 @@ from distlm.optim.lion import Lion
 from distlm.train.optim import build_optimizer
 from fixture_digest import checkpoint_digest
 
-LION = ["optim.name=lion", "train.lr=3e-3", "train.min_lr=3e-4", "optim.lion_weight_decay=0.5"]
+LION = ["optim.name=lion", "optim.lion.lr=3e-3", "train.min_lr_ratio=0.1", "optim.lion.weight_decay=0.5"]
 
 
 def test_a_step_is_the_sign_of_the_interpolated_momentum_with_decoupled_decay():
@@ -39,8 +39,8 @@ def test_a_step_is_the_sign_of_the_interpolated_momentum_with_decoupled_decay():
 def test_lion_takes_adamws_groups_with_its_own_decay_and_the_schedules_rate():
     from distlm.model.gpt import GPT
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_ff=64",
-                             "model.block_size=16", "model.vocab_size=128", "optim.name=lion", "train.lr=2e-4",
-                             "optim.lion_beta1=0.85", "optim.lion_beta2=0.98", "optim.lion_weight_decay=0.7"])
+                             "model.block_size=16", "model.vocab_size=128", "optim.name=lion", "optim.lion.lr=2e-4",
+                             "optim.lion.beta1=0.85", "optim.lion.beta2=0.98", "optim.lion.weight_decay=0.7"])
     model = GPT(cfg.model)
     opt = build_optimizer(model, cfg, "cpu")
     assert isinstance(opt, Lion)
@@ -48,8 +48,8 @@ def test_lion_takes_adamws_groups_with_its_own_decay_and_the_schedules_rate():
         [(2e-4, (0.85, 0.98), 0.7), (2e-4, (0.85, 0.98), 0.0)]
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     assert id(model.tok_emb.weight) not in decayed and all(p.ndim == 2 for p in opt.param_groups[0]["params"])
-    with pytest.raises(ConfigError, match=r"optim\.lion_beta2 must be in \[0, 1\), got 1\.0"):
-        load_config(None, ["optim.name=lion", "optim.lion_beta2=1.0"])
+    with pytest.raises(ConfigError, match=r"optim\.lion\.beta2 must be in \[0, 1\), got 1\.0"):
+        load_config(None, ["optim.name=lion", "optim.lion.beta2=1.0"])
 
 
 # ---- bit-exact resume, one process ----------------------------------------------------

@@ -35,7 +35,7 @@ STEPS, SAVE_AT = 5, 3
 BASE = ["model.n_layer=6", "model.n_head=4", "model.d_model=64", "model.d_ff=128", "model.block_size=32",
         "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
         f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=4",
-        "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
+        "optim.adamw.lr=1e-2", "train.min_lr_ratio=0.1", "train.warmup_steps=2", "train.grad_clip=0.3",
         "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
         "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
 # Llama-style: rope, rmsnorm, swiglu, untied head, no biases.
@@ -44,7 +44,7 @@ LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model
 # Sinusoidal positions (a buffer added after the vocabulary-parallel embedding) with rmsnorm.
 # AdamW's eps raised as in with_data() below: at eps=1e-8 this variant drifted to 7e-5 by step 5
 # (losses still equal to 5e-7), the eps amplification explained there.
-SINUS = ["model.position=sinusoidal", "model.norm=rmsnorm", "train.eps=1e-5"]
+SINUS = ["model.position=sinusoidal", "model.norm=rmsnorm", "optim.adamw.eps=1e-5"]
 # The modern block: QK-norm, ReLU^2, soft-capped logits (a cap low enough to bend
 # them), document masks with a window, a value embedding and U-net skips. A 64-token vocabulary
 # so that the end-of-text token (5) cuts the synthetic rows into documents, ~8 per step.
@@ -67,7 +67,7 @@ def with_data(data: Path) -> list[str]:
     summation order became a 4e-6 weight difference after two steps (measured); with
     eps=1e-5 the weights agree to 1.2e-7."""
     return [f"data.dir={data}", "data.source=tokens", "model.vocab_size=null", "train.eval_every=5",
-            "train.eval_batches=4", "train.lr=2e-3", "train.min_lr=2e-4", "train.eps=1e-5"]
+            "train.eval_batches=4", "optim.adamw.lr=2e-3", "train.min_lr_ratio=0.1", "optim.adamw.eps=1e-5"]
 
 
 def job(root: Path, name: str, *extra: str, **kw) -> dict:

@@ -272,7 +272,7 @@ def test_refusals_name_the_field():
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.warmup_steps=2",
-        "log.every=1", "log.progress=false", "train.seed=7", "log.samples=0", "train.lr=3e-3",
+        "log.every=1", "log.progress=false", "train.seed=7", "log.samples=0", "optim.adamw.lr=3e-3",
         "model.moe.bias_rate=0.01"]
 
 

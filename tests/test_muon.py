@@ -152,7 +152,7 @@ def test_fused_qkv_is_orthogonalised_per_block():
     plain, fused = matrix_params(toy)
     assert [p is toy.blocks["0"].proj.weight for p in plain] == [True]
     assert [p is toy.blocks["0"].attn.qkv.weight for p in fused] == [True]
-    cfg = load_config(None, ["optim.name=muon", "train.lr=1e-3", "optim.muon_lr=0.02"])
+    cfg = load_config(None, ["optim.name=muon", "optim.adamw.lr=1e-3", "optim.muon.lr=0.02"])
     opt = build_optimizer(toy, cfg, "cpu")
     assert [(g["kind"], g.get("split")) for g in opt.param_groups] == \
         [("adamw", None), ("adamw", None), ("muon", 1), ("muon", 3)]
@@ -165,7 +165,7 @@ def test_fused_qkv_is_orthogonalised_per_block():
         p.grad = torch.zeros_like(p)
     w.grad = g.clone()
     opt.step()
-    update = (w0 - w.detach()) / 0.02  # lr * lr_scale = muon_lr; square blocks: scale 1
+    update = (w0 - w.detach()) / 0.02  # lr * lr_scale = optim.muon.lr; square blocks: scale 1
     torch.testing.assert_close(update, newton_schulz(g.view(3, 16, 16), dtype=torch.float32).reshape(48, 16),
                                rtol=0, atol=1e-6)
     for block in update.view(3, 16, 16):  # each of q, k, v is near-orthogonal on its own
@@ -205,23 +205,23 @@ def test_default_optimizer_is_todays_adamw():
     no_decay = [n for n in named if n not in decay]
     names = {id(p): n for n, p in named.items()}
     assert [[names[id(p)] for p in g["params"]] for g in opt.param_groups] == [decay, no_decay]
-    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.train.weight_decay, 0.0]
+    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optim.adamw.weight_decay, 0.0]
     g = opt.param_groups[0]
     assert (g["lr"], g["betas"], g["eps"], g["foreach"], g["fused"]) == \
-        (cfg.train.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, None, None)
+        (cfg.optim.adamw.lr, (cfg.optim.adamw.beta1, cfg.optim.adamw.beta2), cfg.optim.adamw.eps, None, None)
     assert not any("kind" in g for g in opt.param_groups)
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
-    cfg = load_config(None, TINY + ["optim.name=muon", "train.lr=1e-3", "optim.muon_lr=0.03",
-                                    "optim.muon_momentum=0.9", "optim.muon_ns_steps=4",
-                                    "optim.muon_weight_decay=0.01", "model.mlp=swiglu"])
+    cfg = load_config(None, TINY + ["optim.name=muon", "optim.adamw.lr=1e-3", "optim.muon.lr=0.03",
+                                    "optim.muon.momentum=0.9", "optim.muon.ns_steps=4",
+                                    "optim.muon.weight_decay=0.01", "model.mlp=swiglu"])
     model = GPT(cfg.model)  # tied head: the one table is AdamW's, once
     opt = build_optimizer(model, cfg, "cpu")
     names = {id(p): n for n, p in model.named_parameters()}
     kinds = [g["kind"] for g in opt.param_groups]
     # Tied head: the table is AdamW's (no decay), and the decay group, empty, is left out.
-    assert kinds == ["adamw", "muon"]  # group 0 is AdamW's: the logged lr is train.lr
+    assert kinds == ["adamw", "muon"]  # group 0 is AdamW's: the logged lr is optim.adamw.lr's schedule
     muon = sorted(names[id(p)] for p in opt.param_groups[1]["params"])
     expected = sorted(f"blocks.{i}.{m}.weight" for i in range(2)
                       for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_in", "mlp.w_gate", "mlp.w_out"))
@@ -236,7 +236,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 
 def test_embed_lr_gives_the_tables_their_own_rate_on_the_schedule():
     # Value embeddings too: every nn.Embedding goes to the group, the head (untied) stays at lr.
-    over = TINY + ["optim.name=muon", "train.lr=1e-3", "optim.embed_lr=0.05", "model.tie_embeddings=false",
+    over = TINY + ["optim.name=muon", "optim.adamw.lr=1e-3", "optim.muon.embed_lr=0.05", "model.tie_embeddings=false",
                    "model.n_layer=4", "model.value_embeds=1"]
     cfg = load_config(None, over)
     torch.manual_seed(0)
@@ -251,7 +251,7 @@ def test_embed_lr_gives_the_tables_their_own_rate_on_the_schedule():
     # One step at half the schedule's peak: the tables move as torch's AdamW at embed_lr / 2.
     ref_w = model.tok_emb.weight.detach().clone()
     ref = nn.Parameter(ref_w.clone())
-    ref_opt = torch.optim.AdamW([ref], lr=0.05 / 2, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
+    ref_opt = torch.optim.AdamW([ref], lr=0.05 / 2, betas=(cfg.optim.adamw.beta1, cfg.optim.adamw.beta2), eps=cfg.optim.adamw.eps,
                                 weight_decay=0.0)
     for g in opt.param_groups:
         g["lr"] = 1e-3 / 2  # what the trainer's schedule writes into every group
@@ -270,7 +270,7 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
     resume may change (MAY_CHANGE) must be this run's, and the state the checkpoint's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from distlm.train.optim import config_hyperparameters
-    base = TINY + ["optim.name=muon", "train.lr=1e-3", "model.tie_embeddings=false"]
+    base = TINY + ["optim.name=muon", "optim.adamw.lr=1e-3", "model.tie_embeddings=false"]
 
     def build(extra):
         cfg = load_config(None, base + extra)
@@ -278,11 +278,11 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
         model = GPT(cfg.model)
         return model, build_optimizer(model, cfg, "cpu")
 
-    model, opt = build(["optim.muon_lr=0.03", "optim.embed_lr=0.1", "train.beta2=0.95", "optim.muon_momentum=0.9"])
+    model, opt = build(["optim.muon.lr=0.03", "optim.muon.embed_lr=0.1", "optim.adamw.beta2=0.95", "optim.muon.momentum=0.9"])
     model(torch.randint(0, 128, (2, 16))).float().square().mean().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    model2, opt2 = build(["optim.muon_lr=0.06", "optim.embed_lr=0.2", "train.beta2=0.99", "optim.muon_momentum=0.8"])
+    model2, opt2 = build(["optim.muon.lr=0.06", "optim.muon.embed_lr=0.2", "optim.adamw.beta2=0.99", "optim.muon.momentum=0.8"])
     with config_hyperparameters(opt2):
         set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
     kinds = [(g["kind"], round(g["lr_scale"])) for g in opt2.param_groups]
@@ -292,22 +292,24 @@ def test_a_resume_keeps_this_runs_hyperparameters_and_the_checkpoints_state():
     p, p2 = model.blocks["0"].attn.wq.weight, model2.blocks["0"].attn.wq.weight
     assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
     # Without it the checkpoint's values come back (what resumes did before).
-    model3, opt3 = build(["optim.muon_lr=0.06", "optim.embed_lr=0.2"])
+    model3, opt3 = build(["optim.muon.lr=0.06", "optim.muon.embed_lr=0.2"])
     set_state_dict(model3, opt3, model_state_dict=msd, optim_state_dict=osd)
     assert round(opt3.param_groups[-1]["lr_scale"]) == 30
 
 
-@pytest.mark.parametrize("override,needle", [("model.tie_embeddings=true", "tie_embeddings"),
-                                             ("optim.name=adamw", "name=muon only")])
-def test_embed_lr_refuses_what_it_cannot_mean(override, needle):
-    with pytest.raises(ConfigError, match=needle):
-        load_config(None, TINY + ["optim.name=muon", "optim.embed_lr=0.1", "model.tie_embeddings=false",
-                                  override])
+def test_embed_lr_refuses_what_it_cannot_mean_and_is_muons_alone():
+    with pytest.raises(ConfigError, match="optim.muon.embed_lr=0.1 needs model.tie_embeddings=false"):
+        load_config(None, TINY + ["optim.name=muon", "optim.muon.embed_lr=0.1"])
+    # Another optimizer reads none of optim.muon.*: a preset's embed_lr does not stop an AdamW run,
+    # whose tables train at optim.adamw.lr in its two groups.
+    cfg = load_config(None, TINY + ["optim.name=adamw", "optim.muon.embed_lr=0.1"])
+    opt = build_optimizer(GPT(cfg.model), cfg, "cpu")
+    assert [g["lr"] for g in opt.param_groups] == [cfg.optim.adamw.lr] * 2
 
 
-@pytest.mark.parametrize("override,needle", [("optim.muon_momentum=1.0", "muon_momentum"),
-                                             ("optim.muon_ns_steps=0", "muon_ns_steps"),
-                                             ("optim.muon_lr=0", "muon_lr")])
+@pytest.mark.parametrize("override,needle", [("optim.muon.momentum=1.0", r"optim\.muon\.momentum"),
+                                             ("optim.muon.ns_steps=0", r"optim\.muon\.ns_steps"),
+                                             ("optim.muon.lr=0", r"optim\.muon\.lr")])
 def test_bad_muon_settings_are_named(override, needle):
     # The config refuses them as it loads, before any optimizer is built.
     with pytest.raises(ConfigError, match=needle):
@@ -333,7 +335,7 @@ def test_muon_state_round_trips_bit_exactly(tmp_path):
     from distlm.checkpoint import load_checkpoint, save_checkpoint
     rng = torch.get_rng_state()
     # untied: both AdamW groups exist (decay holds the head)
-    cfg = load_config(None, TINY + ["optim.name=muon", "train.lr=1e-3", "model.tie_embeddings=false"])
+    cfg = load_config(None, TINY + ["optim.name=muon", "optim.adamw.lr=1e-3", "model.tie_embeddings=false"])
     torch.manual_seed(0)
     a = GPT(cfg.model)
     opt_a = build_optimizer(a, cfg, "cpu")

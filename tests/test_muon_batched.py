@@ -172,9 +172,10 @@ def test_the_declared_step_temporaries_cover_the_steps_peak(monkeypatch):
     from distlm.train.optim import build_optimizer
     monkeypatch.setitem(NEWTON_SCHULZ, "cpu", newton_schulz_folded)
     cfg = load_config("speedrun-124m", ["model.n_layer=2", "model.vocab_size=256", "model.value_embeds=1",
-                                        "model.d_model=64", "model.d_ff=256", "model.n_head=2"])
+                                        "model.d_model=64", "model.d_ff=256", "model.n_head=2",
+                                        "optim.muon.ns_dtype=bf16"])
     model = GPT(cfg.model)
-    opt = build_optimizer(model, cfg, "cpu", ns_dtype=torch.bfloat16)
+    opt = build_optimizer(model, cfg, "cpu")
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()  # makes the state
@@ -196,10 +197,11 @@ def test_the_steps_peak_memory_is_the_declared_temporaries():
     from distlm.optim.base import MATRIX
     from distlm.optim.groups import matrix_params
     from distlm.train.optim import build_optimizer
-    cfg = load_config("speedrun-124m", ["model.n_layer=4", "model.vocab_size=1024", "model.value_embeds=1"])
+    cfg = load_config("speedrun-124m", ["model.n_layer=4", "model.vocab_size=1024", "model.value_embeds=1",
+                                        "optim.muon.ns_dtype=bf16"])
     dev = torch.device("cuda")
     model = GPT(cfg.model).to(dev)
-    opt = build_optimizer(model, cfg, "cuda", ns_dtype=torch.bfloat16)
+    opt = build_optimizer(model, cfg, "cuda")
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()  # makes the state

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "nan_worker.py"
 # A log row every 2 steps: a fault at an odd step is read one step later.
 RUN = [*fh.CLI_TINY, "train.max_steps=40", "train.checkpoint_every=0", "train.warmup_steps=2", "log.every=2"]
-OPTIMIZERS = {"adamw": [], "lion": ["optim.name=lion", "train.lr=1e-4"], "muon": ["optim.name=muon"]}
+OPTIMIZERS = {"adamw": [], "lion": ["optim.name=lion", "optim.lion.lr=1e-4"], "muon": ["optim.name=muon"]}
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def same(a: list, b: list) -> bool:
 
 
 def _model_and_cfg(name: str):
-    cfg = load_config(None, [*RUN, *OPTIMIZERS[name], "optim.muon_ns_dtype=fp32"])
+    cfg = load_config(None, [*RUN, *OPTIMIZERS[name], "optim.muon.ns_dtype=fp32"])
     from distlm.model.gpt import GPT
     torch.manual_seed(0)
     return GPT(cfg.model), cfg
@@ -100,7 +100,7 @@ def test_each_optimizer_leaves_a_flagged_step_out_bit_for_bit(name, device):
     for _ in range(2):  # one optimizer handed found_inf=0 on its good steps, one handed nothing
         model, cfg = _model_and_cfg(name)
         model = model.to(device)
-        runs.append((model, spec.build(model, cfg, BuildContext("cuda", ns_dtype=torch.float32))))
+        runs.append((model, spec.build(model, cfg, BuildContext("cuda"))))
     (flagged_model, flagged), (plain_model, plain) = runs
     gen = torch.Generator().manual_seed(1)
     params = list(flagged_model.parameters())
@@ -262,7 +262,7 @@ def test_through_a_pipe_and_on_two_processes_a_skipped_step_is_the_one_process_r
     two-process runs. One torchrun launch of 2 processes: DDP with AdamW, FSDP2 with Muon,
     each with a NaN gradient at step 5 only: the same losses and norms as one process."""
     base = [*RUN, "train.max_steps=12", "log.every=1", f"log.root={tmp_path}"]
-    muon = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
+    muon = ["optim.name=muon", "optim.muon.ns_dtype=fp32"]
     stop = [*base, "log.name=stop", "train.max_nan_skips=1", "train.checkpoint_every=4"]
     one = _worker(tmp_path, {"nan_at": [5, 9], "cuda_kernels": True, "cli": True, "jobs": [stop]})
     assert one.returncode == 3, one.stdout + one.stderr

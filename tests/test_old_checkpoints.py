@@ -1,6 +1,7 @@
 """Checkpoints written before the package was reshaped (commit 13d7eec and before) still load and resume.
 
-tests/fixtures/run-13d7eec is a run saved by commit 13d7eec (the last one before the move):
+tests/fixtures/run-13d7eec is a run saved by commit 13d7eec (the last one before the move), its config
+since spelled in the keys of today (optim.adamw.*, train.min_lr_ratio: no old key is read):
 1 layer, d=32, synthetic tokens over 256, 3 steps; expected.json holds the logits that code
 gave for fixed ids. It has no checksums in its marker and no sample-order version in its
 loader state: both must still be accepted."""

@@ -19,8 +19,8 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64"
 def test_a_bad_optimizer_name_is_refused():
     with pytest.raises(ConfigError, match=r"optim\.name: 'sgd' is not one of"):
         load_config(None, ["optim.name=sgd"])
-    with pytest.raises(ConfigError, match=r"optim\.muon_momentum must be in \[0, 1\), got 1\.0"):
-        load_config(None, ["optim.name=muon", "optim.muon_momentum=1.0"])
+    with pytest.raises(ConfigError, match=r"optim\.muon\.momentum must be in \[0, 1\), got 1\.0"):
+        load_config(None, ["optim.name=muon", "optim.muon.momentum=1.0"])
 
 
 def test_a_key_of_the_flat_train_spelling_is_an_unknown_key():
@@ -30,6 +30,39 @@ def test_a_key_of_the_flat_train_spelling_is_an_unknown_key():
         load_config(None, ["train.optimizer=muon"])
     with pytest.raises(ConfigError, match=r"unknown config key 'train\.muon_lr'"):
         load_config(None, ["train.muon_lr=0.02"])
+
+
+@pytest.mark.parametrize("old,new", [
+    ("train.lr", "optim.adamw.lr"), ("train.beta1", "optim.adamw.beta1"), ("train.beta2", "optim.adamw.beta2"),
+    ("train.eps", "optim.adamw.eps"), ("train.weight_decay", "optim.adamw.weight_decay"),
+    ("train.min_lr", "min_lr_ratio"), ("optim.muon_lr", "optim.muon.lr"), ("optim.embed_lr", "optim.muon.embed_lr"),
+    ("optim.muon_momentum", "optim.muon.momentum"), ("optim.muon_ns_steps", "optim.muon.ns_steps"),
+    ("optim.muon_ns_dtype", "optim.muon.ns_dtype"), ("optim.muon_weight_decay", "optim.muon.weight_decay"),
+    ("optim.lion_beta1", "optim.lion.beta1"), ("optim.lion_weight_decay", "optim.lion.weight_decay"),
+])
+def test_an_old_key_is_unknown_and_the_suggestion_names_the_new_one(old, new):
+    """Each optimizer's settings are its own part, optim.NAME.*: a key of the old spelling is
+    refused as any unknown key is, and the did-you-mean (a field of that name elsewhere in the
+    tree, else the nearest spelling in its section) names where it went."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{old}=0.5"])
+    assert str(e.value) == f"unknown config key '{old}' (did you mean '{new}'?)"
+    with pytest.raises(ConfigError, match=f"unknown config key '{old}'"):  # in a file the same
+        from distlm.config import config_from_dict
+        section, key = old.split(".", 1)
+        config_from_dict({section: {key: 0.5}})
+
+
+def test_each_optimizer_reads_its_own_part_and_the_schedule_scales_every_peak():
+    from distlm.model.gpt import GPT
+    from distlm.train.schedule import lr_at
+    cfg = load_config(None, TINY + ["optim.name=lion", "optim.lion.lr=2e-4", "optim.adamw.lr=9.0"])
+    assert spec_for(cfg).peak_lr(cfg) == 2e-4  # Lion's own rate; AdamW's is not read
+    assert [g["lr"] for g in build_optimizer(GPT(cfg.model), cfg, "cpu").param_groups] == [2e-4, 2e-4]
+    muon = load_config(None, TINY + ["optim.name=muon", "optim.adamw.lr=1e-3", "optim.muon.lr=0.02"])
+    assert spec_for(muon).peak_lr(muon) == 1e-3  # group 0, AdamW's part; Muon's groups scale it by 20
+    t = load_config(None, ["train.max_steps=10", "train.warmup_steps=0", "train.min_lr_ratio=0.25"]).train
+    assert lr_at(0, t, 2.0) == 2.0 and lr_at(10, t, 2.0) == pytest.approx(0.5) and lr_at(10, t, 8.0) == pytest.approx(2.0)
 
 
 def test_every_registered_optimizer_is_a_choice_of_optim_name():
@@ -43,7 +76,7 @@ def _stepped(name: str):
     from distlm.model.gpt import GPT
     from distlm.model.loss import lm_loss
     # a value-embedding table too: another table the optimizer keeps state for
-    cfg = load_config(None, TINY + [f"optim.name={name}", "optim.muon_ns_dtype=fp32", "model.value_embeds=1"])
+    cfg = load_config(None, TINY + [f"optim.name={name}", "optim.muon.ns_dtype=fp32", "model.value_embeds=1"])
     torch.manual_seed(0)
     model = GPT(cfg.model)
     opt = build_optimizer(model, cfg, "cpu")

@@ -109,20 +109,23 @@ def test_keep_last_keeps_best_and_newest(tmp_path, tiny_data):
     assert t.best_ckpt in kept and len(kept) <= 3
 
 
-@pytest.mark.parametrize("eval_compile,dropout,new_graph", [(True, 0.1, True), (True, 0.0, False), (False, 0.1, False)])
-def test_evaluation_of_a_compiled_model(monkeypatch, tmp_path, tiny_data, eval_compile, dropout, new_graph):
-    """With dropout, the first evaluation of a compiled model compiles its no-grad graph
-    (seconds of a short run). Without, it runs the training graphs: nothing compiles, the
-    gradients stay untouched, and the next step compiles nothing either.
-    train.eval_compile=false evaluates eagerly. Every way gives the eager no-grad loss."""
+@pytest.mark.parametrize("eval_every,dropout,new_graph", [(1, 0.1, True), (1, 0.0, False), (0, 0.1, False)])
+def test_evaluation_of_a_compiled_model(monkeypatch, tmp_path, tiny_data, eval_every, dropout, new_graph):
+    """With dropout, the first evaluation of a compiled model that evaluates often (here 6
+    times, at least EVAL_COMPILE_FROM) compiles its no-grad graph. Without dropout, it runs the
+    training graphs: nothing compiles, the gradients stay untouched, and the next step compiles
+    nothing either. A run with fewer evaluations (eval_every=0: one, at the end) evaluates
+    eagerly. Every way gives the eager no-grad loss."""
+    from distlm.train.evaluation import EVAL_COMPILE_FROM, evaluations
     import torch
     from torch._dynamo.testing import CompileCounter
     counter, orig = CompileCounter(), torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: orig(self, backend=counter, **kw))
     torch._dynamo.reset()
     cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.compile=true", "train.compile_scope=model",
-                                      f"train.eval_compile={str(eval_compile).lower()}", f"log.root={tmp_path}",
+                                      "train.max_steps=6", f"train.eval_every={eval_every}", f"log.root={tmp_path}",
                                       f"model.dropout={dropout}", "log.name=e", "log.tensorboard=false"])
+    assert (evaluations(cfg.train) >= EVAL_COMPILE_FROM) == bool(eval_every)
     t = Trainer(cfg)
     t.train_step()
     trained = counter.frame_count

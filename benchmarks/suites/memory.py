@@ -9,9 +9,8 @@ with the state that optimizer declares, and its terms). A last step tabulates pl
 measured and fails when an optimizer's estimate is more than 10% off (the goal for Muon and
 every optimizer added after it). --micro sets the micro-batch (and the global batch to it, no
 accumulation); a small one leaves the optimizer's state a large share of the peak, a large one
-tests the activations' estimate. A preset with optim.embed_lr (speedrun-124m) runs the other
-optimizers with `--set optim.embed_lr=0` (the tables then sit in AdamW's no-decay group: the
-same memory).
+tests the activations' estimate. A preset's optim.muon.* (speedrun-124m's embed_lr) is Muon's
+alone: the other optimizers run the same preset without it.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ tools/nanogpt_recipe.py: its recipe, timed from its launch and scored over the w
 baseline (the same recipe through distlm), speedrun, or speedrun-NAME for an ablation (ABLATIONS
 below); RUN@ddpN or
 RUN@fsdpN runs it on N GPUs (a run that sets its micro-batch keeps its global batch, split evenly;
-speedrun-124m's own rule, train.min_local_batch, gives 4 GPUs 64 sequences a step for 300 steps); RUN+warm runs RUN again on the
+speedrun-124m's data_parallel table gives 4 GPUs 64 sequences a step for 300 steps); RUN+warm runs RUN again on the
 compile cache RUN left (a repeated run on one machine). Every other run starts from an empty
 cache folder (compiled graphs, and the imports' bytecode where the installation keeps none:
 distlm/bytecode.py), so its time counts imports, set-up and compilation: each run is timed from its
@@ -46,25 +46,24 @@ from dataclasses import dataclass
 from run import Context, Step
 
 BASELINE = ["--config", "gpt2-124m-1024", "train.max_steps=1500", "train.global_batch_size=64",
-            "train.micro_batch_size=64", "train.lr=6e-4", "train.min_lr=6e-5", "train.warmup_steps=100",
-            "train.decay=cosine", "train.weight_decay=0.1", "train.grad_clip=1.0", "train.beta1=0.9",
-            "train.beta2=0.95", "train.dtype=bf16", "train.compile=true", "train.compile_scope=model",
+            "train.micro_batch_size=64", "optim.adamw.lr=6e-4", "train.min_lr_ratio=0.1", "train.warmup_steps=100",
+            "train.decay=cosine", "optim.adamw.weight_decay=0.1", "train.grad_clip=1.0", "optim.adamw.beta1=0.9",
+            "optim.adamw.beta2=0.95", "train.dtype=bf16", "train.compile=true", "train.compile_scope=model",
             "model.loss_chunk=8192", "train.eval_every=250"]
 SPEEDRUN = ["--config", "speedrun-124m"]
 
 # Each changes one piece of the recipe (the time-to-loss page gives what each measured).
 ABLATIONS = {
-    "adamw": "optim.name=adamw train.lr=1.5e-3 train.beta1=0.9",  # Muon off
+    "adamw": "optim.name=adamw optim.adamw.lr=1.5e-3 optim.adamw.beta1=0.9",  # Muon off
     "plainblock": "model.qk_norm=false model.mlp=gelu model.zero_init_proj=false model.logit_softcap=0",
     "cosine": "train.decay=cosine",  # no WSD cool-down
     "docmask": "model.attn_mask=doc",  # document-masked attention (FlexAttention)
     "valemb": "model.value_embeds=3 model.skip_connections=true",
     "novalemb": "model.value_embeds=0 model.skip_connections=false",
     "ve6": "model.value_embeds=6",
-    "embedlr": "optim.embed_lr=0.3", "embedlr1": "optim.embed_lr=0.1", "embedlr6": "optim.embed_lr=0.6",
-    "noembedlr": "optim.embed_lr=0",
+    "embedlr": "optim.muon.embed_lr=0.3", "embedlr1": "optim.muon.embed_lr=0.1", "embedlr6": "optim.muon.embed_lr=0.6",
+    "noembedlr": "optim.muon.embed_lr=0",
     "block": "train.compile_scope=block", "model": "train.compile_scope=model",
-    "evalcompiled": "train.eval_compile=true",
     "seqwarm": "train.seq_warmup_steps=150 train.seq_warmup_start=256",
     "b16": "train.global_batch_size=16 train.micro_batch_size=16 train.max_steps=1200 train.eval_every=600",
     "b64": "train.global_batch_size=64 train.micro_batch_size=64",
@@ -132,7 +131,7 @@ def run_args(run: str, extra: list[str], cpu: bool) -> tuple[str, int, list[str]
         args.append(f"parallel.{'dp_replicate' if axis == 'ddp' else 'dp_shard'}={nproc}")
         if any(a.startswith("train.micro_batch_size=") for a in args):
             args.append(f"train.micro_batch_size={global_batch // nproc}")
-        # else the preset's own rule (train.min_local_batch) may grow the batch, and auto fits the
+        # else the preset's own data_parallel table may grow the batch, and auto fits the
         # micro-batch to what each GPU then holds
         if axis == "fsdp":
             args.append("train.compile_scope=block")

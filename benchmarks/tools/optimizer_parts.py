@@ -89,16 +89,16 @@ def build(config: str, overrides: list[str], device: torch.device):
     from distlm.config import load_config, updated
     from distlm.model.gpt import GPT
     from distlm.train.optim import build_optimizer
-    cfg = load_config(config, overrides)
+    ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = load_config(config, [*overrides, f"optim.muon.ns_dtype={'bf16' if ns_dtype is torch.bfloat16 else 'fp32'}"])
     if cfg.model.vocab_size is None:
         cfg = updated(cfg, model={"vocab_size": 50257})
     if cfg.optim.name != "muon":
         print(f"error: {config} trains with optim.name={cfg.optim.name}, not muon", file=sys.stderr)
         raise SystemExit(2)
-    ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
-    opt = build_optimizer(model, cfg, device.type, ns_dtype=ns_dtype)
+    opt = build_optimizer(model, cfg, device.type)
     for prm in model.parameters():
         prm.grad = torch.randn_like(prm) * 1e-3
     for g in opt.param_groups:

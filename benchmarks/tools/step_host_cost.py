@@ -50,7 +50,8 @@ WARMUP = 3  # the first steps compile
 
 
 def build(config: str, overrides: list[str], scope: str, device: torch.device, eager_regions: tuple[str, ...] = ()):
-    cfg = load_config(config, NARROW + overrides)
+    ns_dtype = "bf16" if device.type == "cuda" else "fp32"  # Muon's Newton-Schulz: tensor cores, or fp32
+    cfg = load_config(config, NARROW + overrides + [f"optim.muon.ns_dtype={ns_dtype}"])
     torch.manual_seed(0)
     with device:
         model = GPT(cfg.model)
@@ -58,8 +59,7 @@ def build(config: str, overrides: list[str], scope: str, device: torch.device, e
         apply_compile(model, scope)
     for name in eager_regions:  # back to the method of the class: that region runs eagerly
         model.__dict__.pop(name, None)
-    ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return model, build_optimizer(model, cfg, device.type, ns_dtype=ns_dtype), cfg
+    return model, build_optimizer(model, cfg, device.type), cfg
 
 
 class Variant:

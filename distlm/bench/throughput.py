@@ -240,7 +240,7 @@ def report(r: dict, results: Optional[Path], json_out: Optional[Path]) -> None:
     if r["exposed_comm_s"] is not None:
         print(f"exposed communication {1e3 * r['exposed_comm_s']:.1f} ms/step, compute/comm R = "
               f"{r['compute_comm_ratio'] or float('inf'):.1f}")
-    mfu = "n/a (peak unknown for this device; set log.peak_tflops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    mfu = "n/a (peak unknown for this device: no line for it in distlm/train/metrics.py PEAK_TFLOPS)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     peak = f"peak {r['peak_tflops']:g} TFLOP/s" if r["peak_tflops"] else "peak n/a"
     print(f"{flop_rate(r['achieved_tflops_per_gpu'])} per {per}, MFU {mfu}; {peak}; {FORMULA}")
     if r.get("profile"):

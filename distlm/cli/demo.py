@@ -13,17 +13,17 @@ from typing import Annotated, Optional
 
 from distlm.config import load_config
 
-# The demo preset holds the CPU's time limit and its time clock (configs/demo.yaml). Its
+# The demo preset holds the CPU's time budget (configs/demo.yaml). Its
 # micro-batch is auto, so that the preset runs on 2 or 4 processes too; auto on one CPU process
 # would take 8 in two passes, and the demo's figures (docs/results/time-to-loss-cpu.md) are of
 # the whole batch of 16 in one.
 CPU_OVERRIDES = ["train.micro_batch_size=16"]
-# train.schedule_clock=time: a GPU slower than the one these were set on still decays to the
-# end within the limit.
+# train.time_budget_s: a GPU slower than the one these were set on still decays to the end
+# within the budget.
 CUDA_OVERRIDES = ["model.n_layer=6", "model.n_head=6", "model.d_model=384", "model.d_ff=1536",
                   "model.block_size=256", "train.global_batch_size=64", "train.micro_batch_size=64",
-                  "train.max_steps=750", "train.lr=1e-3", "train.eval_every=250", "train.checkpoint_every=250",
-                  "log.every=50", "train.time_limit_s=200", "train.schedule_clock=time"]
+                  "train.max_steps=750", "optim.adamw.lr=1e-3", "train.eval_every=250", "train.checkpoint_every=250",
+                  "log.every=50", "train.time_budget_s=200"]
 
 
 def demo(
@@ -58,7 +58,7 @@ def demo(
         overrides.append(f"train.max_steps={max_steps}")
     cfg = load_config("tiny" if cuda else "demo", overrides)
     print(f"[2/5] training on {'CUDA' if cuda else 'CPU'}: {cfg.train.max_steps} steps at most, "
-          f"{cfg.train.time_limit_s:g} s at most (a slower machine trains fewer steps; the learning-rate "
+          f"{cfg.train.time_budget_s:g} s at most (a slower machine trains fewer steps; the learning-rate "
           f"schedule still runs to its end)")
     trainer = Trainer(cfg, name_prefix="demo")  # a new ROOT/demo-TIMESTAMP, -2 if that second is taken
     summary = trainer.train()

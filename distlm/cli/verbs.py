@@ -96,14 +96,17 @@ def train(
 
     Settings come from the defaults, then --config (a YAML file or a preset name), then
     dotted overrides such as model=gpt2-124m data.dir=DIR train.max_steps=200. Settings
-    are config fields, not flags: train.max_steps=5, train.lr=3e-4, train.seed=1.
+    are config fields, not flags: train.max_steps=5, optim.adamw.lr=3e-4, train.seed=1.
 
     Metrics: tokens/s is global; MFU = tokens/s per device x FLOPs/token / peak, with
     FLOPs/token = 6N + 12*L*d*T (N non-embedding params incl. the head, L layers, d width,
     T context) and the peak dense bf16 TFLOP/s looked up by device name (H100 SXM 989,
-    H100 PCIe 756, H200 989, A100 312, ...) or set with log.peak_tflops. Unknown peak -> n/a.
+    H100 PCIe 756, H200 989, A100 312, ...); a device the table does not name -> n/a.
     """
-    cfg = load_config(config, list(overrides))
+    notes: list[str] = []  # what a preset's data_parallel table set for this run's degree
+    cfg = load_config(config, list(overrides), notes=notes)
+    if notes and nproc_per_node == 1 and os.environ.get("RANK", "0") == "0" and not print_config:
+        print("\n".join(notes), flush=True)
     if print_config:
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")

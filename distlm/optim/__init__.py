@@ -12,8 +12,9 @@ across layouts as they do AdamW's.
          (distlm/optim/lion.py, which says why it was the third).
 
 Adding an optimizer: a module here with its ``Spec``, one line in ``REGISTRY``, its name in
-``OptimConfig.name``'s choices and its settings (prefixed with its name) in ``OptimConfig``
-(distlm/config.py).
+``OptimConfig.name``'s choices and a dataclass of its settings as ``OptimConfig.NAME``
+(distlm/config.py: ``optim.NAME.*``). A setting it can only choose on the machine that runs it
+(Muon's Newton-Schulz dtype) is its spec's ``resolve``.
 """
 from __future__ import annotations
 

@@ -17,10 +17,13 @@ class AdamWSpec(Spec):
     state = {MATRIX: ADAMW_STATE, OTHER: ADAMW_STATE}
     step_temporaries = {MATRIX: 0.0, OTHER: 0.0}
 
+    def peak_lr(self, cfg: Config) -> float:
+        return cfg.optim.adamw.lr
+
     def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
-        t = cfg.train
-        groups = param_groups(model, t.weight_decay)
-        return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+        a = cfg.optim.adamw
+        groups = param_groups(model, a.weight_decay)
+        return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
                                  **elementwise_kernel(groups, ctx.device_type))
 
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:

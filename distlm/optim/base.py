@@ -1,7 +1,8 @@
 """What an optimizer of the registry (distlm/optim/__init__.py) declares and provides.
 
 An optimizer is a ``Spec``: its name (``optim.name``), the state it keeps per parameter, how
-to check its settings and how to build the ``torch.optim.Optimizer`` that runs it.
+to check its settings, how to resolve those that depend on the device, the peak rate the
+learning-rate schedule scales, and how to build the ``torch.optim.Optimizer`` that runs it.
 
 The state declaration says, for each kind of parameter, which tensors ``optimizer.state[p]``
 holds: their key, whether each has the parameter's shape (and so its layout: a DTensor shard
@@ -50,12 +51,10 @@ class StateTensor:
 @dataclass(frozen=True)
 class BuildContext:
     """What building an optimizer needs besides the model and the config: the device type
-    (fused kernels on CUDA), the DDP process group whose ranks hold replicated parameters
-    (None without DDP; a matrix optimizer shares its whole-matrix work over it) and, for Muon,
-    the Newton-Schulz dtype the caller resolved (the same on every rank)."""
+    (fused kernels on CUDA) and the DDP process group whose ranks hold replicated parameters
+    (None without DDP; a matrix optimizer shares its whole-matrix work over it)."""
     device_type: str
     process_group: Optional[object] = None
-    ns_dtype: Optional[torch.dtype] = None
 
 
 class Spec:
@@ -68,9 +67,6 @@ class Spec:
     # Muon's Nesterov momenta), by kind: they exist during the step only, when the
     # activations are gone, so the planner counts the larger of the two.
     step_temporaries: dict[str, float] = {}
-    # Its step orthogonalises matrices by Newton-Schulz, in the dtype optim.muon_ns_dtype
-    # names (auto: the Trainer measures this device once, the same on every rank).
-    orthogonalises: bool = False
 
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` (this spec's build) honours ``optimizer.found_inf`` (see the
@@ -84,6 +80,19 @@ class Spec:
 
     def check(self, cfg: Config) -> None:
         """A ConfigError, naming the field and value, for settings this optimizer cannot use."""
+
+    def peak_lr(self, cfg: Config) -> float:
+        """The peak rate of the optimizer's first group, ``param_groups[0]["lr"]``: the Trainer sets
+        every group's ``lr`` to the schedule's value from this peak (what the log's lr column
+        shows); a group with another peak scales it by its own ``lr_scale``."""
+        raise NotImplementedError
+
+    def resolve(self, cfg: Config, device: torch.device, comm=None, probe=None) -> tuple[Config, Optional[str]]:
+        """The config with this optimizer's device-dependent settings made values, before it is
+        built, so that config.yaml records what ran; with ``comm`` (collective) every rank makes
+        the same choice. ``probe``: what measures the device (distlm/optim/matmul_dtype.py), for
+        a test to give its own. Returns the config and a line saying what was measured, or None."""
+        return cfg, None
 
     def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
         raise NotImplementedError

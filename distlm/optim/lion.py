@@ -17,9 +17,10 @@ the other candidates):
     preconditioners and eigenbases whose shapes are not the parameter's (their resharding would
     need the whole-matrix machinery for state, not only for updates).
 
-Lion uses train.lr's schedule as its rate; it wants a rate 3-10x smaller than AdamW's and a
-weight decay 3-10x larger (the paper's advice), so optim.lion_weight_decay is its own setting.
-Decay applies to AdamW's decay group only (matrices that are not embeddings).
+Lion's settings are its own, optim.lion.*: it wants a rate 3-10x smaller than AdamW's and a
+weight decay 3-10x larger (the paper's advice), and the learning-rate schedule scales
+optim.lion.lr as it scales any optimizer's peak. Decay applies to AdamW's decay group only
+(matrices that are not embeddings).
 """
 from __future__ import annotations
 
@@ -95,9 +96,12 @@ class LionSpec(Spec):
     # The interpolated update, one fp32 copy of every parameter, made before any is applied.
     step_temporaries = {MATRIX: 1.0, OTHER: 1.0}
 
+    def peak_lr(self, cfg: Config) -> float:
+        return cfg.optim.lion.lr
+
     def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
-        o = cfg.optim
-        return Lion(param_groups(model, o.lion_weight_decay), lr=cfg.train.lr, betas=(o.lion_beta1, o.lion_beta2))
+        o = cfg.optim.lion
+        return Lion(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
 
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         return True

@@ -5,7 +5,7 @@ For a weight matrix W (out x in) and its Nesterov momentum M, Muon steps along
 value set to about 1. A plain gradient step is dominated by a few large directions;
 the orthogonalised one moves all of them at the same rate. ``orth`` is approximated with
 a few Newton-Schulz iterations (matmuls only, so bf16 tensor cores run it; on a CPU without
-a fast bf16 path they run in fp32: optim.muon_ns_dtype, distlm/train/matmul_dtype.py).
+a fast bf16 path they run in fp32: optim.muon.ns_dtype, distlm/optim/matmul_dtype.py).
 
 One optimizer object holds two kinds of parameter groups, tagged ``group["kind"]``:
   - ``"muon"``: 2-D matrices (the transformer blocks' linear weights);
@@ -31,14 +31,15 @@ to Muon, everything else to AdamW in the same object.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_update
 
-from distlm.config import Config, ConfigError
+from distlm.config import Config, ConfigError, updated
 from distlm.local_shard import local_shard
 from distlm.optim.adamw import ADAMW_STATE
 from distlm.optim.base import MATRIX, OTHER, BuildContext, Spec, StateTensor, skip_flag
@@ -138,13 +139,13 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay`` (decoupled: p <- p (1 - lr lr_scale wd)), ``ns_steps``, ``split``
     (a fused q/k/v weight is ``split=3``: its three row blocks are orthogonalised
     separately, as the three matrices they are).
-    AdamW group keys: ``lr``, ``lr_scale`` (as for Muon; optim.embed_lr), ``betas``, ``eps``,
+    AdamW group keys: ``lr``, ``lr_scale`` (as for Muon; optim.muon.embed_lr), ``betas``, ``eps``,
     ``weight_decay``, ``foreach``, ``fused``.
 
     ``process_group``: the DDP group whose ranks hold replicated plain-tensor parameters
     (None: each rank orthogonalises what it holds). DTensor parameters bring their own
     mesh. ``ns_dtype``: the Newton-Schulz precision (bf16; fp32 for exact comparisons and
-    on CPUs without a fast bf16 path: distlm/train/optim.py picks it from optim.muon_ns_dtype).
+    on CPUs without a fast bf16 path: MuonSpec picks it from optim.muon.ns_dtype).
     """
 
     def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
@@ -320,14 +321,19 @@ class Muon(torch.optim.Optimizer):
 LARGEST_STACK = 1 / 3
 
 
+# optim.muon.ns_dtype's values.
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 class MuonSpec(Spec):
     """optim.name=muon: one Muon object with groups [AdamW decay, AdamW no decay, (AdamW
-    embedding tables with optim.embed_lr,) Muon, Muon fused q/k/v], the empty ones left out;
-    group 0 is AdamW's, so ``param_groups[0]["lr"]`` is still the schedule's lr. Every group's
-    ``lr`` is the schedule's value; Muon's groups multiply it by ``lr_scale = muon_lr / lr``."""
+    embedding tables with optim.muon.embed_lr,) Muon, Muon fused q/k/v], the empty ones left
+    out. The AdamW groups take optim.adamw.* (the settings AdamW alone takes), the Muon groups
+    optim.muon.*. Group 0 is AdamW's, so ``param_groups[0]["lr"]`` is the schedule's value from
+    optim.adamw.lr; the other peaks are ``lr_scale`` times it (muon.lr / adamw.lr, embed_lr /
+    adamw.lr), so one schedule moves every group alike."""
     name = "muon"
     state = {MATRIX: (StateTensor("momentum_buffer"),), OTHER: ADAMW_STATE}
-    orthogonalises = True
     # What the step holds at its peak beyond the state, in fp32 copies of the matrices: the
     # Nesterov momenta of every matrix (1.0, made in one pass before any is orthogonalised),
     # plus three times the stack being orthogonalised (its fp32 stack, and the bf16 iterate
@@ -341,33 +347,58 @@ class MuonSpec(Spec):
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
+    def peak_lr(self, cfg: Config) -> float:
+        return cfg.optim.adamw.lr
+
     def check(self, cfg: Config) -> None:
-        t, o = cfg.train, cfg.optim
-        if t.lr <= 0 or o.muon_lr <= 0:
-            raise ConfigError(f"optim.name=muon needs train.lr > 0 and optim.muon_lr > 0 "
-                              f"(got {t.lr} and {o.muon_lr}): Muon's rate is lr x muon_lr/lr")
-        if not 0.0 <= o.muon_momentum < 1.0:
-            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
-        if o.muon_ns_steps < 1:
-            raise ConfigError(f"optim.muon_ns_steps must be at least 1, got {o.muon_ns_steps}")
-        if o.muon_weight_decay < 0:
-            raise ConfigError(f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+        a, m = cfg.optim.adamw, cfg.optim.muon
+        if a.lr <= 0 or m.lr <= 0:
+            raise ConfigError(f"optim.name=muon needs optim.adamw.lr > 0 and optim.muon.lr > 0 "
+                              f"(got {a.lr} and {m.lr}): Muon's groups run at adamw.lr x muon.lr/adamw.lr")
+        if not 0.0 <= m.momentum < 1.0:
+            raise ConfigError(f"optim.muon.momentum must be in [0, 1), got {m.momentum}")
+        if m.ns_steps < 1:
+            raise ConfigError(f"optim.muon.ns_steps must be at least 1, got {m.ns_steps}")
+        if m.weight_decay < 0:
+            raise ConfigError(f"optim.muon.weight_decay must be >= 0, got {m.weight_decay}")
+
+    def resolve(self, cfg: Config, device: torch.device, comm=None, probe=None) -> tuple[Config, Optional[str]]:
+        """optim.muon.ns_dtype=auto made bf16 or fp32, as ``probe`` (a MatmulDtypeProbe) measures
+        this device: bf16 on CUDA, on a CPU the faster of the two. With ``comm`` (collective) every
+        rank takes the same: the Newton-Schulz stacks are redistributed between them, and fp32
+        wins where any rank measured bf16 slower, as the slowest rank sets the pace. The line says
+        what was measured (a CPU); None where nothing was."""
+        if cfg.optim.muon.ns_dtype != "auto":
+            return cfg, None
+        from distlm.optim.matmul_dtype import MatmulDtypeProbe
+        device = torch.device(device)
+        choice = (probe or MatmulDtypeProbe()).choose(device)
+        fp32 = choice.dtype == torch.float32
+        if comm is not None:
+            fp32 = bool(float(comm.max(torch.tensor([float(fp32)], device=device))[0]))
+        name = "fp32" if fp32 else "bf16"
+        line = (f"optim.muon.ns_dtype=auto: {name} for Newton-Schulz ({choice.describe()} on this CPU)"
+                if choice.seconds else None)
+        return updated(cfg, optim={"muon": dataclasses.replace(cfg.optim.muon, ns_dtype=name)}), line
 
     def build(self, model: nn.Module, cfg: Config, ctx: BuildContext) -> torch.optim.Optimizer:
-        t, o = cfg.train, cfg.optim
+        a, m = cfg.optim.adamw, cfg.optim.muon
+        if m.ns_dtype == "auto":  # built without the Trainer's resolution: this process measures alone
+            cfg = self.resolve(cfg, torch.device(ctx.device_type))[0]
+            m = cfg.optim.muon
         plain, fused = matrix_params(model)
-        # optim.embed_lr: the embedding tables get their own AdamW group and rate. A table row
+        # optim.muon.embed_lr: the embedding tables get their own AdamW group and rate. A table row
         # moves only when its token occurs, so at the head's rate the tables learn slowly
         # (the public speedrun gives them ~75x the head's rate).
-        tables = embedding_tables(model) if o.embed_lr else []
-        adamw_groups = param_groups(model, t.weight_decay, exclude={id(p) for p in plain + fused + tables})
+        tables = embedding_tables(model) if m.embed_lr else []
+        adamw_groups = param_groups(model, a.weight_decay, exclude={id(p) for p in plain + fused + tables})
         if tables:
-            adamw_groups.append({"params": tables, "weight_decay": 0.0, "lr_scale": o.embed_lr / t.lr})
+            adamw_groups.append({"params": tables, "weight_decay": 0.0, "lr_scale": m.embed_lr / a.lr})
         kernel = elementwise_kernel(adamw_groups, ctx.device_type)
-        groups = [dict(g, kind="adamw", betas=(t.beta1, t.beta2), eps=t.eps,
+        groups = [dict(g, kind="adamw", betas=(a.beta1, a.beta2), eps=a.eps,
                        foreach=kernel.get("foreach"), fused=kernel.get("fused")) for g in adamw_groups]
-        muon = dict(kind="muon", lr_scale=o.muon_lr / t.lr, momentum=o.muon_momentum,
-                    weight_decay=o.muon_weight_decay, ns_steps=o.muon_ns_steps)
+        muon = dict(kind="muon", lr_scale=m.lr / a.lr, momentum=m.momentum,
+                    weight_decay=m.weight_decay, ns_steps=m.ns_steps)
         groups += [dict(muon, params=plain, split=1), dict(muon, params=fused, split=3)]
         # Empty groups are left out (AdamW's decay group is empty when the head is tied, the
         # fused q/k/v group when the model has none). get_state_dict keys groups by their
@@ -375,5 +406,4 @@ class MuonSpec(Spec):
         # one (torch 2.13: it comes back as {}). Which groups exist depends on the architecture
         # (and under PP on the stage), never on the data/tensor-parallel layout.
         groups = [g for g in groups if g["params"]]
-        return Muon(groups, lr=t.lr, process_group=ctx.process_group,
-                    ns_dtype=ctx.ns_dtype if ctx.ns_dtype is not None else torch.bfloat16)
+        return Muon(groups, lr=a.lr, process_group=ctx.process_group, ns_dtype=NS_DTYPES[m.ns_dtype])

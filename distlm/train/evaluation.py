@@ -5,8 +5,9 @@ compiled model under ``no_grad`` in eval mode is another graph, compiled at the 
 evaluation: 7.6 s of a 94 s `speedrun-124m` run on an H100 (docs/results/time-to-loss.md), for
 three evaluations that then take about a second each. Three ways to evaluate:
 
-``NoGradEval``       eval mode, no autograd; compiled graphs of its own (the default), or eager
-                     (``train.eval_compile=false``): what any model and layout can do.
+``NoGradEval``       eval mode, no autograd; compiled graphs of its own when the run evaluates
+                     often enough to pay for them (EVAL_COMPILE_FROM), else eager: what any
+                     model and layout can do.
 ``TrainingGraphEval`` the training graphs themselves: train mode, autograd recording, each
                      micro-batch's loss detached at once so its graph is freed with it. Only
                      for a model without dropout, which computes the same function in either
@@ -55,13 +56,25 @@ class TrainingGraphEval:
             yield
 
 
+# A no-grad graph of its own costs a compile at the first evaluation (7.6 s per-block, 12 s
+# whole-model for speedrun-124m on an H100) and saves 1.7-2.6 s on each evaluation after it (the
+# 1.1M validation tokens: 3.0-3.4 s eager, 0.8-1.3 s compiled; docs/results/time-to-loss.md).
+# It pays from about four evaluations on; a run with fewer evaluates eagerly.
+EVAL_COMPILE_FROM = 4
+
+
+def evaluations(t) -> int:
+    """How many validation passes a run of ``t`` (a TrainConfig) makes: every eval_every steps,
+    and one at the end when max_steps is not a multiple of it (or eval_every is 0)."""
+    every = t.eval_every
+    return (t.max_steps // every if every else 0) + (0 if every and t.max_steps % every == 0 else 1)
+
+
 def evaluation_for(cfg, plan, task):
     """``plan``: the ParallelPlan (distlm/parallel/plan.py), whether its layout lets the
     training graphs evaluate."""
     t = cfg.train
-    if t.compile and not t.eval_compile:
-        return NoGradEval(eager=True)
     if (t.compile and cfg.model.dropout == 0 and plan.evaluates_through_training_graph
             and task.evaluates_with_training_loss(cfg)):
         return TrainingGraphEval()
-    return NoGradEval(eager=False)
+    return NoGradEval(eager=bool(t.compile) and evaluations(t) < EVAL_COMPILE_FROM)

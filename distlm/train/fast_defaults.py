@@ -1,9 +1,10 @@
 """The settings whose fastest value depends on the machine, chosen once the machine is known.
 
 train.compile, train.compile_scope, model.loss_chunk and train.micro_batch_size default to
-auto (None in the config tree: distlm/config.py ``auto``). The Trainer turns each auto into a
-value here, after the device and the layout are known and before anything is built, so the
-run's config.yaml and its checkpoints record what ran; an explicit value is kept. On one
+auto (None in the config tree: distlm/config.py ``auto``). A run's one resolution pass
+(distlm/train/resolve.py) turns each auto into a value here, after the device and the layout
+are known and before anything is built, so the run's config.yaml and its checkpoints record
+what ran; an explicit value is kept. On one
 H100 (torch 2.11), `distlm bench --config gpt2-124m-1024 data.source=synthetic` ran at 477k
 tok/s with what auto picks there (the whole forward one graph, loss_chunk=8192, micro-batch
 64, est. 27.1 GiB, peak 29.8 GiB) against 443k with what the same command plus
@@ -66,7 +67,7 @@ class Device:
 @dataclass(frozen=True)
 class Choice:
     cfg: Config                                  # every auto replaced by a value
-    chosen: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value: the autos, and what min_local_batch changed
+    chosen: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value: the autos chosen
     estimate: Optional[Estimate] = None          # of the micro-batch chosen, on CUDA
     fits: bool = True                            # False: not even micro-batch 1 fits the estimate
     line: Optional[str] = None                   # what rank 0 prints; None when nothing was auto
@@ -76,7 +77,6 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
     """Each auto of ``cfg`` made a value for ``dev`` and the layout ``dims`` (a ParallelDims:
     a Layout, distlm/layout/, whose named questions decide, and its world_size):
 
-        train.global_batch_size  and the step counts, by train.min_local_batch (batch_for_layout)
         train.compile          on CUDA, off on CPU
         train.compile_scope    model (the whole forward one graph) on 1 GPU, DDP or Horovod;
                                block with FSDP2, TP or PP, which split the forward
@@ -88,11 +88,10 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
                                largest up to CPU_MICRO_CAP
     """
     cuda = dev.type == "cuda"
-    chosen: dict[str, Any] = batch_for_layout(cfg.train, dims.dp_size)
-    cfg = _with(cfg, chosen)
+    chosen: dict[str, Any] = {}
     t, m = cfg.train, cfg.model
     if t.compile is None:
-        chosen["train.compile"] = compiles(t, dev.type)
+        chosen["train.compile"] = cuda
     if t.compile_scope is None:
         chosen["train.compile_scope"] = "block" if dims.splits_forward else "model"
     if m.loss_chunk is None:
@@ -107,37 +106,15 @@ def choose(cfg: Config, dev: Device, dims) -> Choice:
     return Choice(cfg, chosen, est, fits, _line(chosen, dev, dims, est, fits) if chosen else None)
 
 
-def compiles(t, device_type: str) -> bool:
-    """train.compile, or its auto: compiled on CUDA, eager elsewhere."""
-    return t.compile if t.compile is not None else device_type == "cuda"
-
-
-def batch_for_layout(t, dp: int) -> dict[str, Any]:
-    """train.min_local_batch: the global batch and the step counts for ``dp`` data-parallel ranks.
-
-    Where global_batch_size / dp would give each rank fewer than min_local_batch sequences, the
-    global batch becomes dp x min_local_batch and the counts of steps (max_steps, warmup_steps,
-    eval_every, checkpoint_every) are divided by the same factor, rounded, at least 1 where they
-    were set: the run trains on as many tokens, in fewer, larger steps, with enough work on each
-    GPU. speedrun-124m holds 32 sequences a step: on 4 GPUs that is 8 a GPU, and its step ran at
-    11.0% MFU (511k tok/s on 4 x H100), where 16 a GPU ran at 0.94-1.05M tok/s
-    (docs/results/time-to-loss.md). Returns the changed fields, empty where nothing changes."""
-    want = dp * t.min_local_batch
-    if not t.min_local_batch or t.global_batch_size >= want:
-        return {}
-    factor = want / t.global_batch_size
-
-    def fewer(steps: int) -> int:
-        return max(1, round(steps / factor)) if steps else 0
-
-    return {"train.global_batch_size": want, "train.max_steps": fewer(t.max_steps),
-            "train.warmup_steps": fewer(t.warmup_steps), "train.eval_every": fewer(t.eval_every),
-            "train.checkpoint_every": fewer(t.checkpoint_every)}
+def dtype_for(t, device_type: str) -> str:
+    """train.dtype, its auto made a value: bf16 autocast on CUDA, fp32 elsewhere."""
+    return t.dtype if t.dtype != "auto" else "bf16" if device_type == "cuda" else "fp32"
 
 
 def fast_defaults(cfg: Config, device, dims, comm=None) -> Choice:
-    """The Trainer's call, once the device and the layout are known and before the model is
-    built. Collective (every rank must call it) when the micro-batch is auto on CUDA."""
+    """The resolution pass's call (distlm/train/resolve.py), once the device and the layout are
+    known and before the model is built. Collective (every rank must call it) when the
+    micro-batch is auto on CUDA."""
     needs_memory = device.type == "cuda" and cfg.train.micro_batch_size is None
     dev = Device.measure(device, comm if dims.world_size > 1 else None) if needs_memory else Device(device.type)
     return choose(cfg, dev, dims)
@@ -178,8 +155,7 @@ def memory_estimate(cfg: Config, dev: Device, dims, micro: int) -> Estimate:
     # selective checkpointing keeps half the blocks' activations: counted as none, the safe side
     lay = Candidate(**dims.degrees(), ac="full" if p.activation_checkpoint == "full" else "none",
                     schedule=p.pp_schedule)
-    from distlm.train.setup import autocast_dtype
-    compute_bytes = 2 if autocast_dtype(cfg, dev) is not None else 4
+    compute_bytes = 2 if dtype_for(cfg.train, dev.type) == "bf16" else 4
     return estimate(model, lay, cfg.train.global_batch_size, micro, dev.free_gib, compute_bytes=compute_bytes,
                     sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
                     optimizer=spec_for(cfg),  # the state optim.name declares (distlm/optim/)

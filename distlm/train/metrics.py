@@ -2,8 +2,12 @@
 
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token = 6N + 12*L*d*T
 (N = non-embedding parameters plus the head; see distlm.model.gpt.flops_per_token) and
-the peak looked up per device below (dense bf16 tensor-core datasheet numbers),
-or given with log.peak_tflops. An unknown device reports MFU as n/a.
+the peak looked up by the device's name in PEAK_TFLOPS below (dense bf16 tensor-core
+datasheet numbers). The fallback for a device the table does not name (every CPU, a GPU not
+listed) is no peak at all: MFU reads n/a, and the run's first line says which device was not
+found (``mfu_basis``), rather than a guess from the compute capability, which one chip
+generation shares across parts several times apart in speed (an H20 is sm_90 like an H100,
+at 148 TFLOP/s against 989). A GPU missing here is one line in the table.
 """
 from __future__ import annotations
 
@@ -40,15 +44,24 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def peak_tflops(device: torch.device, override: float = 0.0) -> Optional[float]:
-    """Peak bf16 TFLOP/s of one device, or None where unknown (CPUs included)."""
-    if override > 0:
-        return override
+def peak_tflops(device: torch.device) -> Optional[float]:
+    """Peak dense bf16 TFLOP/s of one device from PEAK_TFLOPS, or None where the table does not
+    name it (CPUs included)."""
     name = device_name(device)
     for key, tf in PEAK_TFLOPS:
         if key in name:
             return tf
     return None
+
+
+def mfu_basis(device: torch.device) -> str:
+    """What the run's MFU column is, for its first line: the formula and the peak it divides by,
+    or why there is none."""
+    peak = peak_tflops(device)
+    if peak is None:
+        return f"MFU n/a: no peak for {device_name(device)!r} in distlm/train/metrics.py's table"
+    return (f"MFU = tokens/s per device x FLOPs/token / {peak:g} TFLOP/s ({device_name(device)}, dense bf16 "
+            f"peak)")
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: Optional[float]) -> Optional[float]:

@@ -38,9 +38,10 @@ MUST_MATCH: dict[str, tuple[str, ...] | str] = {
     # contexts), and one changed mid-run would send a model already on full blocks back to
     # short rows, unlike extending a learning-rate schedule.
     "train": ("seed", "global_batch_size", "seq_warmup_steps", "seq_warmup_start"),
-    # optim.embed_lr on or off decides whether the embedding tables have their own optimizer
-    # group; its value, like any rate, may change (see _same).
-    "optim": ("name", "embed_lr"),
+    # optim.muon.embed_lr on or off decides whether the embedding tables have their own optimizer
+    # group; its value, like any rate, may change (see _same). A nested field named here is kept
+    # although its section is listed under MAY_CHANGE.
+    "optim": ("name", "muon.embed_lr"),
     # A language model and a classifier, or two poolings, are different models.
     "task": ("name", "attention", "pooling"),
 }
@@ -52,21 +53,17 @@ MAY_CHANGE: dict[str, tuple[str, ...] | str] = {
     "train": (
         # Length and learning-rate schedule: extending a run (more max_steps, a longer decay)
         # is what resume is for.
-        "max_steps", "lr", "min_lr", "warmup_steps", "decay", "wsd_decay_fraction", "weight_decay",
-        "beta1", "beta2", "eps", "grad_clip", "schedule_clock",
+        "max_steps", "warmup_steps", "decay", "wsd_decay_fraction", "min_lr_ratio", "grad_clip", "time_budget_s",
         # Accumulation only: the same global batch in more or fewer forwards.
         "micro_batch_size",
-        # A rule that resolves into global_batch_size and the step counts; the global batch it
-        # gives is compared under MUST_MATCH.
-        "min_local_batch",
         # Evaluation, checkpoints, resume itself.
-        "eval_every", "eval_batches", "eval_compile", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
+        "eval_every", "eval_batches", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
         # Where and how fast it runs: a GPU run continues on a CPU and back (fp32 or bf16).
         "device", "dtype", "compile", "compile_scope", "compile_mode", "memory_check",
         # Float8 matmuls on the same parameters, kept in their dtype: a float8 run goes on in bf16 and back.
         "fp8",
         # Fault handling.
-        "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s", "stop_check_every"),
+        "time_limit_s", "on_nan", "max_nan_skips", "on_save_error", "watchdog_s"),
     # Every optimizer's own settings (rates, momenta, decay, Muon's Newton-Schulz steps and the
     # precision of its matmuls, which gives the same update to bf16's rounding), like the
     # schedule's: all but which optimizer it is and which groups it has (MUST_MATCH).
@@ -95,7 +92,7 @@ def must_match_fields() -> list[str]:
 def _same(key: str, saved: Any, now: Any) -> bool:
     if saved == now:
         return True
-    if key == "optim.embed_lr":
+    if key == "optim.muon.embed_lr":
         return bool(saved) == bool(now)  # another rate is fine; on <-> off changes the optimizer's groups
     if key == "data.dir" and saved and now:
         # The same folder spelled two ways (relative and absolute): still the same data.
@@ -122,8 +119,16 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     default to what distlm did before they existed)."""
     out = []
     for key in must_match_fields():
-        section, name = key.split(".")
+        section, name, *inner = key.split(".")
         f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+        if inner:  # one field of a nested section (optim.muon.embed_lr)
+            g = next(g for g in dataclasses.fields(f.default_factory) if g.name == inner[0])
+            was_section = (saved.get(section) or {}).get(name)
+            was = (was_section if isinstance(was_section, dict) else {}).get(inner[0], g.default)
+            now = getattr(getattr(getattr(cfg, section), name), inner[0])
+            if not _same(key, was, now):
+                out.append((key, was, now))
+            continue
         default = f.default
         was = (saved.get(section) or {}).get(name, default)
         now = getattr(getattr(cfg, section), name)

@@ -14,10 +14,11 @@ from distlm.config import Config
 from distlm.parallel import ParallelDims, ParallelPlan, parallelize
 
 
-def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
-    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
+def autocast_dtype(cfg: Config) -> Optional[torch.dtype]:
+    """The autocast dtype of a resolved config (train.dtype bf16 or fp32: distlm/train/resolve.py)."""
+    if cfg.train.dtype == "auto":
+        raise ValueError("train.dtype=auto: build from a resolved config (distlm/train/resolve.py)")
+    return torch.bfloat16 if cfg.train.dtype == "bf16" else None
 
 
 # What torch.compile's first use imports: dynamo, AOTAutograd, inductor (and triton on a GPU):
@@ -26,7 +27,7 @@ COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clock=None) -> ParallelPlan:
-    """Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
+    """``cfg``: resolved (distlm/train/resolve.py). Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
     model when it is sharded. Returns the parallel plan: (the wrapped model to train, the
     plain module inside (under PP this rank's pruned part), the step engine that drives it,
     ...: distlm/parallel/plan.py). ``clock`` (a SetupClock) gets four laps: the compiler's
@@ -55,6 +56,6 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clo
             torch.cuda.synchronize(device)  # the copies to the GPU are asynchronous: count them here
         lap("weights")
 
-    plan = parallelize(inner, dims, cfg, materialize, device=device, amp_dtype=autocast_dtype(cfg, device))
+    plan = parallelize(inner, dims, cfg, materialize, device=device, amp_dtype=autocast_dtype(cfg))
     lap("data-parallel wrap")
     return plan

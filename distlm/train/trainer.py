@@ -34,14 +34,13 @@ from distlm.tasks import build_task
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.group import background_save_group
 from distlm.train.compile_cache import first_step_report
-from distlm.train.fast_defaults import compiles, fast_defaults
 from distlm.train.evaluation import evaluation_for
 from distlm.train.faults import (StopFlag, TrainingStopped, Watchdog, checkpoint_schedule, nonfinite_guard,
                                  nonfinite_verdict, stop_reason)
-from distlm.train.logger import DEFAULT_LOG_EVERY, Progress, ProgressBar, RunLogger, console_line, log_interval
-from distlm.train.matmul_dtype import MatmulDtypeProbe
-from distlm.train.metrics import SetupClock, memory_gb, mfu, peak_tflops
-from distlm.train.optim import build_optimizer, config_hyperparameters, resolve_ns_dtype
+from distlm.train.logger import Progress, ProgressBar, RunLogger, console_line
+from distlm.train.metrics import SetupClock, memory_gb, mfu, mfu_basis, peak_tflops
+from distlm.train.optim import build_optimizer, config_hyperparameters
+from distlm.train.resolve import resolve_run
 from distlm.train.resume_check import check_before_resume, check_resume_config
 from distlm.train.run_context import run_context
 from distlm.train.runlock import RunLock, claim_run_name, holds_no_run
@@ -57,8 +56,6 @@ class Trainer:
     def __init__(self, cfg: Config, dims=None, run_dir: str | Path | None = None, name_prefix: str = "run"):
         clock = SetupClock()
         self.device = resolve_device(cfg.train.device, local_rank(os.environ))
-        # decided before fast_defaults runs, by its rule: a compiled run reports its compile cache
-        self.compiled = compiles(cfg.train, self.device.type)
         check_float8_on(cfg.train.fp8, self.device)  # before anything is made: a CPU or a pre-Ada GPU
         self.engine = make_engine(cfg.parallel.engine)
         if dims is None:
@@ -75,24 +72,22 @@ class Trainer:
         # docs/results/time-to-loss.md).
         clock.lap("device mesh")
         self.task = build_task(cfg)
-        # The config is resolved against the data once, here, and frozen from then on.
-        resolved = self.task.resolve(cfg, self.comm, self.dims.is_main)
-        # The autos (compile, its scope, loss chunking, micro-batch) take this device's and
-        # layout's values before anything is built, so config.yaml records what ran.
-        fast = fast_defaults(resolved.cfg, self.device, self.dims, self.comm)
-        if fast.line and self.dims.is_main:
-            print(fast.line, flush=True)
-        self.cfg, self.manifest, self.data_dir = fast.cfg, resolved.manifest, resolved.data_dir
-        # Muon's Newton-Schulz dtype: measured on a CPU (bf16 has no fast path on many).
-        self.cfg, ns_line = resolve_ns_dtype(self.cfg, self.device, self.comm, MatmulDtypeProbe())
-        if ns_line and self.dims.is_main:
-            print(ns_line, flush=True)
-        # What the schedule's progress counts (train.schedule_clock); a time clock agrees its
-        # elapsed time over the ranks, so every replica steps with the same rate.
-        self.lr_clock = lr_clock(self.cfg.train, self._agreed_seconds)
-        clock.lap("config and data check")
+        # The config is resolved once, here, against the data, the device, the layout and the
+        # optimizer, before anything is built, and frozen from then on: everything below reads
+        # values (distlm/train/resolve.py), and config.yaml records what ran.
+        resolved = resolve_run(cfg, self.device, self.dims, self.task, self.comm)
+        if self.dims.is_main:
+            for line in resolved.lines:
+                print(line, flush=True)
+        self.cfg, self.manifest, self.data_dir = resolved.cfg, resolved.manifest, resolved.data_dir
+        self._log_line = resolved.log_line
         cfg = self.cfg
-        self.amp_dtype = autocast_dtype(cfg, self.device)
+        self.compiled = bool(cfg.train.compile)  # a compiled run reports its compile cache
+        # The schedule, from the optimizer's peak rate; with train.time_budget_s a time clock,
+        # which agrees its elapsed time over the ranks, so every replica steps with the same rate.
+        self.lr_clock = lr_clock(cfg.train, spec_for(cfg).peak_lr(cfg), self._agreed_seconds)
+        clock.lap("config and data check")
+        self.amp_dtype = autocast_dtype(cfg)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -149,7 +144,7 @@ class Trainer:
         self._last_saved_step: Optional[int] = None
         self._failed_save: Optional[tuple[int, str]] = None  # (step, cause) of the latest failed save
         self.flops_per_token = flops_per_token(cfg.model, self.stepper.num_params(self.gpt, cfg))
-        self.peak = peak_tflops(self.device, cfg.log.peak_tflops)
+        self.peak = peak_tflops(self.device)  # None where the table does not name the device: MFU n/a
         self.resumed_from = self._maybe_resume()
         self.optimizer = self.engine.wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps, cfg.parallel)
         self._write_run_files()
@@ -226,7 +221,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.best_val, self.best_ckpt = state.get("best_val"), state.get("best_ckpt")
         self.protected, self.nan_skips = list(state.get("protected", [])), int(state.get("nan_skips", 0))
-        self.lr_clock.load_state_dict(state.get("lr_clock", {}))  # absent before train.schedule_clock
+        self.lr_clock.load_state_dict(state.get("lr_clock", {}))  # absent before the time clock existed
 
     # ---- the step -----------------------------------------------------------------
     def compute(self):
@@ -368,7 +363,9 @@ class Trainer:
         cfg, main = self.cfg, self.dims.is_main
         logger = RunLogger(self.run_dir, cfg, enabled=main, resume_step=self.step)
         start_step, t_start = self.step, time.perf_counter()
-        progress = Progress(cfg.train.max_steps, cfg.train.time_limit_s, start_step, t_start)
+        # The nearer of the two clocks' ends: a stop (time_limit_s) or the schedule's (time_budget_s).
+        ends = [s for s in (cfg.train.time_limit_s, cfg.train.time_budget_s) if s > 0]
+        progress = Progress(cfg.train.max_steps, min(ends, default=0.0), start_step, t_start)
         bar = None
         # A progress bar only on a terminal: piped to a file, its redraws are thousands of lines.
         if main and cfg.log.progress and sys.stderr.isatty():
@@ -378,22 +375,20 @@ class Trainer:
             say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G"
-                + (" (N: active parameters; MFU counts them)" if cfg.model.moe.enabled else ""))
+                + (" (N: active parameters; MFU counts them)" if cfg.model.moe.enabled else "")
+                + f" | {mfu_basis(self.device)}")
             say(self.setup_line)
             say(self._paths_line())
             say(checkpoint_schedule(cfg.train))
         stop, watchdog = StopFlag(), Watchdog(cfg.train.watchdog_s, self.dims.rank)
         self.lr_clock.start()
-        stop_cfg = self.lr_clock.stop_config(cfg.train)
         self._window = (time.perf_counter(), self.step)  # (start time, start step) of the tokens/s window
         last_val, last_loss, do_eval, stopped, final = None, float("nan"), False, None, None
         end = plot_import = None  # the end of the run's clock, and the plot's import beside its save
         loss = grad_norm = None
-        every = log_interval(cfg.log.every, cfg.train.max_steps)  # a short run still draws a curve
-        if main and cfg.log.every is None and every != DEFAULT_LOG_EVERY:  # said once, not done quietly
-            say(f"log.every=auto: a row every {'step' if every == 1 else f'{every} steps'}, so that this "
-                f"{cfg.train.max_steps}-step run draws "
-                f"about 20 points (a number given for log.every is kept)")
+        every = cfg.log.every  # resolved: a short run still draws a curve
+        if main and self._log_line:
+            say(self._log_line)
         logged = None  # the step of the newest row
         self.model.train()
         try:
@@ -416,7 +411,7 @@ class Trainer:
                     last_val, logged = (val if do_eval else last_val), self.step
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save(last_val if do_eval else None)
-                stopped = stop_reason(stop, t_start, stop_cfg, self.step, self.dims, self.comm, self.device)
+                stopped = stop_reason(stop, t_start, cfg.train, self.step, self.dims, self.comm, self.device)
                 if stopped:
                     if main:
                         say(f"{stopped} at step {self.step}: saving a checkpoint and exiting")
@@ -429,8 +424,8 @@ class Trainer:
                 # give the row other elapsed/ETA figures than the bar under it on a loaded machine.
                 last_loss, _ = self._log_step(logger, say, loss, grad_norm, False, t_start, status)
             if not stopped and start_step < self.step < cfg.train.max_steps and main:
-                say(f"the learning-rate schedule ended at train.time_limit_s={cfg.train.time_limit_s:g} "
-                    f"(train.schedule_clock=time): step {self.step} of train.max_steps={cfg.train.max_steps}")
+                say(f"the learning-rate schedule ended at train.time_budget_s={cfg.train.time_budget_s:g}: "
+                    f"step {self.step} of train.max_steps={cfg.train.max_steps}")
             # The end of a run is a fixed cost like its set-up: timed phase by phase and said in
             # one line.
             end = SetupClock()
@@ -502,7 +497,7 @@ class Trainer:
             complete, _ = ckpt.list_checkpoints(self.run_dir / "checkpoints")
             if self.dims.is_main:
                 where = (f"train.max_steps={self.cfg.train.max_steps}" if self.step >= self.cfg.train.max_steps
-                         else f"the end of its schedule (step {self.step}, train.schedule_clock=time)")
+                         else f"the end of its schedule (step {self.step}, train.time_budget_s)")
                 print(f"the run is already at {where}: nothing to train")
             saved_val = ckpt.read_meta(complete[-1]).get("val_loss") if complete else None
             return {"checkpoint": complete[-1] if complete else None,

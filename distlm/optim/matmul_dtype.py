@@ -55,8 +55,8 @@ def time_matmul(device: torch.device, dtype: torch.dtype) -> float:
 
 class MatmulDtypeProbe:
     """The fastest matmul dtype of each device, measured on first use and kept: one probe
-    lives as long as what holds it (the Trainer builds one; a process trains one run), so
-    no step and no second optimizer pays for it again.
+    lives as long as what holds it (a run's resolution makes one, before the optimizer is
+    built, and the optimizer reads the dtype it chose), so no step pays for it.
 
     ``measure(device, dtype) -> seconds`` is the timer (time_matmul; tests give their own).
     bf16 is kept unless it is measured slower: it is Muon's reference precision and what a
