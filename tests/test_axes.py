@@ -1,4 +1,4 @@
-"""The parallel layout (distlm/layout/) and the plan parallelize() returns (distlm/parallel/plan.py):
+"""The parallel layout (distlm/layout/) and the plan parallelize() returns (distlm/parallel/applied.py):
 the named questions each layout answers, the registry's consistency, that an axis is added by
 registration alone, and the per-batch hook the step runs every micro-batch through."""
 import dataclasses
@@ -9,7 +9,7 @@ import torch
 from distlm.config import ParallelConfig, load_config
 from distlm.layout import AXES, MESH_ORDER, Layout
 from distlm.parallel import ParallelDims, parallelize
-from distlm.parallel.plan import Batch
+from distlm.parallel.applied import Batch
 
 PARTIAL_SHARDS = "under FSDP2 or tensor parallelism each rank holds shards of the weights, not the whole model"
 PARTIAL_STAGES = "under pipeline parallelism each rank holds a stage, not the whole model"

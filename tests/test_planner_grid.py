@@ -127,9 +127,17 @@ def differences(want, got, where: str = "") -> list[str]:
     return [f"{where}: {want!r} -> {got!r}"]
 
 
+def unordered_axes(out: dict) -> dict:
+    """``inter_axes`` as a set: the axes are listed in the registry's order, the fixture's in
+    the order the planner's inline terms were written (ep before dp_shard)."""
+    for est in out["estimates"].values():
+        est["inter_axes"] = sorted(est["inter_axes"])
+    return out
+
+
 def test_the_grid_is_what_it_was():
-    want = json.loads(FIXTURE.read_text())
-    got = json.loads(json.dumps(outputs()))
+    want = unordered_axes(json.loads(FIXTURE.read_text()))
+    got = unordered_axes(json.loads(json.dumps(outputs())))
     found = differences(want, got)
     assert not found, f"{len(found)} differences:\n" + "\n".join(found[:40])
 

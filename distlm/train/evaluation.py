@@ -56,7 +56,7 @@ class TrainingGraphEval:
 
 
 def evaluation_for(cfg, plan, task):
-    """``plan``: the ParallelPlan (distlm/parallel/plan.py), whether its layout lets the
+    """``plan``: the ParallelPlan (distlm/parallel/applied.py), whether its layout lets the
     training graphs evaluate."""
     t = cfg.train
     if t.compile and not t.eval_compile:
