@@ -37,7 +37,8 @@ from typing import Callable, Optional
 
 from distlm.config import Config, ModelConfig, ParallelConfig
 from distlm.errors import ConfigError
-from distlm.layout import AXES, MESH_ORDER, PARTS, Layout, SplitRefusal, Work, axis_named, check_split, model_kind
+from distlm.layout import (AXES, MESH_ORDER, PARTS, Layout, SplitRefusal, Work, axis_named, check_model_split,
+                           check_split, model_kind)
 from distlm.model.memory import GIB, block_params, end_params
 from distlm.optim import MATRIX, OTHER, REGISTRY, Spec
 
@@ -333,58 +334,75 @@ def _moe_terms(m: ModelConfig, lay: Layout) -> dict:
                 saved_per_token=saved * n / m.n_layer)
 
 
-def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Candidate]:
-    """Every (dp_replicate, dp_shard, tp, pp) with product = gpus that the model allows,
-    each with and without full activation checkpointing. Data parallelism is DDP or FSDP2
-    over all of it, and on several nodes also HSDP: dp_shard filling the rest of a node
-    (tp x dp_shard = gpus_per_node), dp_replicate across nodes. Context parallelism takes
-    part of the FSDP2 degree (cp x dp_shard, no pipeline) where the row splits into 2 x cp
-    chunks (x tp under sequence parallelism)."""
-    out = []
-    if m.moe.enabled:
-        # Data parallelism, with or without expert parallelism (TP, PP and cp refuse an MoE model):
-        # DDP or FSDP2 over the ranks that the ep degree leaves.
-        for ep in (k for k in range(1, gpus + 1) if gpus % k == 0 and m.moe.experts % k == 0):
-            dp = gpus // ep
-            for shard in {1, dp}:
-                for ac in ("none", "full"):
-                    out.append(Candidate(dp // shard, shard, 1, 1, ep=ep, ac=ac))
-        return out
-    for tp in range(1, gpus + 1):
-        if gpus % tp or m.n_head % tp or m.d_ff % tp:
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _weighed_degrees(gpus: int, gpus_per_node: Optional[int]):
+    """The degrees the planner weighs for ``gpus`` (its choice; what the axes refuse of them is
+    theirs): context parallelism as part of the FSDP2 degree; every other split of the model
+    with data parallelism as DDP or FSDP2 over all of the rest or, on several nodes, HSDP (the
+    data shards filling the rest of a node, replicas across)."""
+    for tp in _divisors(gpus):
+        for cp in _divisors(gpus // tp)[1:]:
+            yield dict(dp_shard=gpus // tp // cp, tp=tp, cp=cp)
+    for tp, pp, ep in itertools.product(range(1, gpus + 1), repeat=3):
+        if gpus % (tp * pp * ep):
             continue
-        dp = gpus // tp
-        for cp in (c for c in range(2, dp + 1) if dp % c == 0 and m.block_size % (2 * c * tp) == 0):
-            for ac in ("none", "full"):
-                out.append(Candidate(1, dp // cp, tp, 1, cp=cp, ac=ac))
-    for tp, pp in itertools.product(range(1, gpus + 1), repeat=2):
-        if gpus % (tp * pp) or m.n_head % tp or m.d_ff % tp or (pp > 1 and pp > m.n_layer):
-            continue
-        dp = gpus // (tp * pp)
+        dp = gpus // (tp * pp * ep)
         in_node = gpus_per_node // tp if gpus_per_node and gpus_per_node % tp == 0 else 0
-        for shard in [s for s in range(1, dp + 1) if dp % s == 0 and s in (1, dp, in_node)]:
-            for ac in ("none", "full"):
-                out.append(Candidate(dp // shard, shard, tp, pp, ac=ac))
-    return out
+        for shard in [s for s in _divisors(dp) if s in (1, dp, in_node)]:
+            yield dict(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, ep=ep)
+
+
+def _why_not(m: ModelConfig, degrees: dict) -> Optional[str]:
+    """Why the layout ``degrees`` is not weighed for ``m``: what an axis refuses (the rules
+    config validation runs, ``check_split``, on a config of this model and these degrees), or
+    an axis's own ``not_weighed``; None: it is weighed."""
+    try:
+        check_split(Config(model=m, parallel=ParallelConfig(**degrees)))
+    except ConfigError as e:
+        return str(e)
+    return next((why for a in AXES if (why := a.not_weighed(m, degrees.get(a.name, 1)))), None)
+
+
+def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Candidate]:
+    """Every layout of ``gpus`` the planner weighs (``_weighed_degrees``) that the axes run
+    for this model, each with and without full activation checkpointing."""
+    return [Candidate(**degrees, ac=ac) for degrees in _weighed_degrees(gpus, gpus_per_node)
+            if _why_not(m, degrees) is None for ac in ("none", "full")]
 
 
 def skipped_layouts(gpus: int, m: ModelConfig) -> list[str]:
-    """Why degrees that divide the GPU count are missing from the table, one line each (a
-    silent gap reads as if the planner had not considered them)."""
+    """Why degrees that divide the GPU count are missing from the table, one line per axis and
+    reason, the axes' own (a silent gap reads as if the planner had not considered them). An
+    axis this kind of model has no use for (ep for a dense model, tp for a mixture of experts)
+    goes unmentioned."""
     degrees = [k for k in range(2, gpus + 1) if gpus % k == 0]
     notes = []
-    heads = [t for t in degrees if m.n_head % t]
-    if heads:
-        notes.append(f"{', '.join(f'tp={t}' for t in heads)} skipped: {m.n_head} heads do not split by "
-                     f"{', '.join(map(str, heads))}{_head_count_hint(m, heads)}")
-    ff = [t for t in degrees if t not in heads and m.d_ff % t]
-    if ff:
-        notes.append(f"{', '.join(f'tp={t}' for t in ff)} skipped: d_ff {m.d_ff} does not split by "
-                     f"{', '.join(map(str, ff))}")
-    deep = [p for p in degrees if p > m.n_layer]
-    if deep:
-        notes.append(f"{', '.join(f'pp={p}' for p in deep)} skipped: {m.n_layer} layers cannot fill "
-                     f"{deep[0]} pipeline stages")
+    for a in AXES:
+        if model_kind(m) not in a.model_kinds:
+            continue
+        refused: dict = defaultdict(list)  # the model's setting in the way -> [(degree, refusal)]
+        for k in degrees:
+            try:
+                check_model_split(m, ParallelConfig(**{a.name: k}))
+            except SplitRefusal as e:
+                refused[e.field].append((k, e))
+                continue
+            why = a.not_weighed(m, k)
+            if why:
+                refused[None].append((k, why))
+        for setting, got in refused.items():
+            ks = [k for k, _ in got]
+            first = got[0][1]
+            if setting == "model.n_head":
+                why = f"{first.value} heads do not split by {', '.join(map(str, ks))}{_head_count_hint(m, ks)}"
+            elif setting == "model.d_ff":
+                why = f"d_ff {first.value} does not split by {', '.join(map(str, ks))}"
+            else:
+                why = str(first)
+            notes.append(f"{', '.join(f'{a.name}={k}' for k in ks)} skipped: {why}")
     return notes
 
 
@@ -433,10 +451,7 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
-COLLECTIVES = {"dp_replicate": "gradient all-reduce (dp_replicate)",
-               "dp_shard": "FSDP all-gather + reduce-scatter (dp_shard)",
-               "tp": "TP all-gather + reduce-scatter (tp)", "pp": "pipeline send/recv (pp)",
-               "cp": "K/V all-gather + reduce-scatter (cp)", "ep": "token all-to-all (ep)"}
+COLLECTIVES = {a.name: f"{a.collective} ({a.name})" for a in AXES}
 
 
 def network_lines(e: Estimate) -> list[str]:

@@ -3,10 +3,16 @@
 The fixture holds what ``estimate()`` returned, field by field, for dense and MoE models under
 DDP, FSDP2, HSDP, TP, PP, cp and ep (and their compositions, with and without activation
 checkpointing, across nodes or not, under AdamW, Muon and Lion), and the candidates
-``layouts()`` lists with the notes of ``skipped_layouts()``. It was written before the axes'
-costs moved into their own files (distlm/layout/), so that the move could not change a
-number: a term the planner now sums from the axes must come out as it did when it was written
-inline. A change that is meant to move an estimate rewrites the fixture, and says why:
+``layouts()`` lists with the notes of ``skipped_layouts()``. The estimates were written
+before the axes' costs moved into their own files (distlm/layout/), so that the move could
+not change a number: a term the planner now sums from the axes must come out as it did when
+it was written inline. The lists were rewritten once, when the planner came to ask the axes'
+refusals instead of its copy of some of them: a pipeline is no longer listed for a model
+whose blocks need the token ids (speedrun-124m's value embeddings and U-net skips, which the
+pipeline axis refuses), a mixture of experts gets HSDP on several nodes as a dense model does,
+the notes name the ep degrees that do not divide the experts and no longer the tp and pp
+degrees of a model every tp and pp refuses. A change that is meant to move an estimate
+rewrites the fixture, and says why:
 
     python tests/test_planner_grid.py --write
 """

@@ -115,6 +115,11 @@ class Axis:
     paces_host: bool = False
     # ^ ``host_s`` can be what the GPU waits for: the planner reports its share as <name>_host
 
+    def not_weighed(self, m, degree: int) -> Optional[str]:
+        """Why the planner leaves ``degree`` out for model ``m`` although this axis runs it (a
+        layout that only adds waiting), one line; None: it weighs it."""
+        return None
+
     def divides(self, part: str, degree: int, w: "Work") -> int:
         """How many ways it divides ``part`` (one of ``PARTS``) on a rank."""
         return 1

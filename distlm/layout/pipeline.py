@@ -75,6 +75,13 @@ class Pipeline(Axis):
         return [d for d in sizes if (local // d) % degree == 0] or sizes
 
     # -- costs -----------------------------------------------------------------------------------
+    def not_weighed(self, m, degree):
+        # distlm/parallel/pp.py runs up to two stages more than blocks (the embedding's and the
+        # head's alone), which add a bubble and save little memory
+        if degree > m.n_layer:
+            return f"{m.n_layer} layers cannot fill {degree} pipeline stages"
+        return None
+
     def busiest_stage(self, w, degree):
         if degree == 1:
             return None
