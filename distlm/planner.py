@@ -340,19 +340,25 @@ def _divisors(n: int) -> list[int]:
 
 def _weighed_degrees(gpus: int, gpus_per_node: Optional[int]):
     """The degrees the planner weighs for ``gpus`` (its choice; what the axes refuse of them is
-    theirs): context parallelism as part of the FSDP2 degree; every other split of the model
-    with data parallelism as DDP or FSDP2 over all of the rest or, on several nodes, HSDP (the
-    data shards filling the rest of a node, replicas across)."""
-    for tp in _divisors(gpus):
-        for cp in _divisors(gpus // tp)[1:]:
-            yield dict(dp_shard=gpus // tp // cp, tp=tp, cp=cp)
-    for tp, pp, ep in itertools.product(range(1, gpus + 1), repeat=3):
-        if gpus % (tp * pp * ep):
+    theirs): every degree of every axis but the data-parallel ones whose product divides
+    ``gpus``, the rest of the ranks data-parallel: DDP or FSDP2 over all of them or, on several
+    nodes, HSDP (the data shards filling the rest of a node, replicas across). An axis whose
+    ranks are FSDP2 shards themselves (cp) takes part of the FSDP2 degree: no replicas beside it."""
+    data = [a for a in AXES if a.data_parallel]
+    split = [a for a in AXES if not a.data_parallel]
+    replicate, shard_axis = (next(a for a in data if a.gradients == role) for role in ("replicate", "shard"))
+    for degrees in itertools.product(_divisors(gpus), repeat=len(split)):
+        if gpus % math.prod(degrees):
             continue
-        dp = gpus // (tp * pp * ep)
-        in_node = gpus_per_node // tp if gpus_per_node and gpus_per_node % tp == 0 else 0
-        for shard in [s for s in _divisors(dp) if s in (1, dp, in_node)]:
-            yield dict(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, ep=ep)
+        dp = gpus // math.prod(degrees)
+        named = {a.name: k for a, k in zip(split, degrees)}
+        # the ranks inside the data shards in the mesh: a node's GPUs over them is what HSDP shards over
+        inner = math.prod(k for a, k in zip(split, degrees) if a.mesh_rank > shard_axis.mesh_rank)
+        in_node = gpus_per_node // inner if gpus_per_node and gpus_per_node % inner == 0 else 0
+        shards = [dp] if any(k > 1 and a.gradients == "shard" for a, k in zip(split, degrees)) else \
+            [s for s in _divisors(dp) if s in (1, dp, in_node)]
+        for s in shards:
+            yield {replicate.name: dp // s, shard_axis.name: s, **named}
 
 
 def _why_not(m: ModelConfig, degrees: dict) -> Optional[str]:

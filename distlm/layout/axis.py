@@ -38,6 +38,9 @@ class Axis:
     collective: str = ""  # what its traffic is, for the planner's table (e.g. "token all-to-all")
 
     # -- what ranks along the axis do, where its degree is above 1 -------------------------
+    data_parallel: bool = False
+    # ^ one of the data-parallel wrappers' own axes (DDP's replicas, FSDP2's shards): the
+    #   planner spreads the ranks the other axes leave over them
     feeds_data: bool = False
     # ^ they read different rows of the global batch: the data mesh (the loaders' dp_rank
     #   and dp_size) is the product of these axes

@@ -21,6 +21,7 @@ class DataReplicate(Axis):
     help = "DDP degree (replicas)"
     mesh_rank = 20  # outside the shards: HSDP's all-reduce of each rank's shard is the one that crosses nodes
     collective = "gradient all-reduce"
+    data_parallel = True
     feeds_data = True
     gradients = "replicate"
     averages_loss = True
@@ -49,6 +50,7 @@ class DataShard(Axis):
     help = "FSDP2 degree (shards)"
     mesh_rank = 30  # inside the replicas: HSDP's shards on a node's links
     collective = "FSDP all-gather + reduce-scatter"
+    data_parallel = True
     feeds_data = True
     gradients = "shard"
     averages_loss = True
