@@ -233,10 +233,10 @@ class OptimConfig:
                                         "(Lion wants train.lr 3-10x below AdamW's and this 3-10x above)")
 
 
+# The degrees come first, one per registered axis (distlm/layout/: parallel.<name>, its help
+# line the axis's); then the options of the runtimes.
 @with_degrees(lambda axis: doc(1, axis.help), frozen=True)
 class ParallelConfig:
-    """The degrees come first, one per registered axis (distlm/layout/: ``parallel.<name>``,
-    its help line the axis's); then the options of the runtimes."""
     reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
     mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only; see grad_reduce_dtype)")
     cpu_offload: bool = False
