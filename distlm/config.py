@@ -19,7 +19,7 @@ import yaml
 
 from distlm.bounded_yaml import read_yaml_file
 from distlm.errors import ConfigError
-from distlm.layout import AXES, Layout, check_layout, token_id_extras
+from distlm.layout import AXES, Layout, check_layout, token_id_extras, with_degrees
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -250,16 +250,10 @@ class OptimConfig:
     lion: LionConfig = field(default_factory=LionConfig, metadata={"help": "Lion: optim.lion.*"})
 
 
-@dataclass(frozen=True)
+# The degrees come first, one per registered axis (distlm/layout/: parallel.<name>, its help
+# line the axis's); then the options of the runtimes.
+@with_degrees(lambda axis: doc(1, axis.help), frozen=True)
 class ParallelConfig:
-    dp_replicate: int = doc(1, "DDP degree (replicas)")
-    dp_shard: int = doc(1, "FSDP2 degree (shards)")
-    tp: int = doc(1, "tensor-parallel degree")
-    pp: int = doc(1, "pipeline-parallel degree")
-    cp: int = doc(1, "context-parallel degree: every row split over this many ranks, for long sequences "
-                     "(distlm/parallel/context.py)")
-    ep: int = doc(1, "expert-parallel degree: an MoE block's routed experts spread over this many ranks, which "
-                     "read different rows (distlm/parallel/expert.py)")
     reshard_after_forward: bool = doc(True, "FSDP2: True = ZeRO-3, False = ZeRO-2")
     mixed_precision: bool = doc(True, "FSDP2: bf16 params, fp32 gradient reduce (CUDA only; see grad_reduce_dtype)")
     cpu_offload: bool = False
@@ -709,12 +703,7 @@ def _validate_moe(cfg: Config) -> None:
     if e.first_dense >= m.n_layer:
         raise ConfigError(f"model.moe.first_dense={e.first_dense} leaves no MoE block in model.n_layer={m.n_layer}")
     p = cfg.parallel
-    # The experts are whole on every rank and tokens never leave it: data parallelism
-    # (DDP, FSDP2) only. Tensor and pipeline parallelism would need the experts' own plans.
-    for key, degree in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
-        if degree > 1:
-            raise ConfigError(f"model.moe.experts={e.experts} does not support parallel.{key}={degree}: an MoE "
-                              f"model runs under data parallelism (parallel.dp_replicate, parallel.dp_shard)")
+    # Which axes split an MoE model is theirs to say (Axis.model_kinds, distlm/layout/).
     if p.engine != "torch":
         raise ConfigError(f"model.moe.experts={e.experts} needs parallel.engine=torch: the routing biases are "
                           f"updated from the load summed over the ranks through torch.distributed")

@@ -5,34 +5,40 @@
 Estimates, per GPU, the largest pipeline stage's (memory in GiB, as `distlm bench` reports it):
   parameters, gradients (fp32) and the optimizer's state as it declares it per parameter
   (distlm/optim/: AdamW 2 x fp32; Muon 1 x fp32 for the blocks' matrices, AdamW's for the
-  rest; the larger of the activations and the step's own temporaries), divided by tp for the split
-  matrices and by dp_shard under FSDP2; the FSDP2 all-gather buffers (two blocks, bf16);
-  activations saved for backward, counted tensor by tensor for this model's blocks (see
-  ``block_saved_elements``), times the microbatches a schedule keeps in flight, or only
-  each block's input with full activation checkpointing; the logits and their gradient.
-Under context parallelism (cp) a GPU holds T / cp tokens of each row, plus the whole row's
-keys and values in every layer (gathered for attention and kept for its backward; one
-layer's at a time under full activation checkpointing).
+  rest; the larger of the activations and the step's own temporaries), divided as the axes
+  divide them; the buffers their collectives hold; activations saved for backward, counted
+  tensor by tensor for this model's blocks (see ``block_saved_elements``), times the
+  microbatches a schedule keeps in flight, or only each block's input with full activation
+  checkpointing; the logits and their gradient.
+Each axis's terms are its own (distlm/layout/<axis>.py, the methods of ``Axis``): how it
+divides the tokens of a row, the split weights, the activations and the logits, what it adds
+to the activations (cp's gathered keys and values), the bytes its collectives send per step,
+whether the compute waits for them, its host time and its bubble. ``estimate`` counts the
+model, asks every axis, and sums; it names none of them.
 Communication per step is the bytes each GPU sends in its collectives (ring algorithms),
-on a two-level network: the mesh's axes are ordered (pp, dp_replicate, dp_shard, cp, tp), tp
-innermost, so with G GPUs per node an axis whose group spans more than G consecutive ranks
-crosses nodes, and its collectives run at the inter-node bandwidth (see ``crossing_axes``).
+on a two-level network: the mesh's axes are ordered (``MESH_ORDER``), tp innermost, so with
+G GPUs per node an axis whose group spans more than G consecutive ranks crosses nodes, and
+its collectives run at the inter-node bandwidth (see ``crossing_axes``).
 The ranking uses a simple time model (compute at a fixed fraction of peak, the pipeline
-bubble, the optimizer step, communication not hidden by compute, and TP's per-collective
-costs; the constants below, fitted to tests/fixtures/planner_measurements.json); it is a guide
-to what to measure first, not a promise. tests/test_planner.py checks the memory estimate
-against the tensors a real training step holds and the time estimate against the recorded
-throughputs.
+bubble, the optimizer step, communication not hidden by compute, and the host's time where
+the GPU waits for it; the constants below and the axes' own, fitted to
+tests/fixtures/planner_measurements.json); it is a guide to what to measure first, not a
+promise. tests/test_planner.py checks the memory estimate against the tensors a real
+training step holds and the time estimate against the recorded throughputs;
+tests/test_planner_grid.py holds the whole output of a grid of layouts to a recorded one.
 """
 from __future__ import annotations
 
 import itertools
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from distlm.config import ModelConfig
-from distlm.layout import MESH_ORDER, Layout
+from distlm.config import Config, ModelConfig, ParallelConfig
+from distlm.errors import ConfigError
+from distlm.layout import (AXES, MESH_ORDER, PARTS, Layout, SplitRefusal, Work, axis_named, check_model_split,
+                           check_split, model_kind)
 from distlm.model.memory import GIB, block_params, end_params
 from distlm.optim import MATRIX, OTHER, REGISTRY, Spec
 
@@ -52,7 +58,8 @@ BLOCK_CALL_S = 6e-4
 # ^ what each call of a block costs beyond its FLOPs, forward and backward, per micro-step:
 #   kernel launches and the small kernels around the matmuls, FSDP2's hooks. 0.6 ms puts the
 #   FSDP2 pair above at 1.00x and 0.90x of measured and keeps every record within 20%;
-#   under TP the host's own time per block (TP_HOST_S_PER_BLOCK) is what the GPU waits for.
+#   under TP the host's own time per block (TP_HOST_S_PER_BLOCK, distlm/layout/tensor.py) is what
+#   the GPU waits for.
 DP_EXPOSED = 0.75
 # ^ FSDP/DDP and pipeline traffic overlaps the backward pass, but not all of it: the first
 #   all-gather and the last reduce-scatter of a step have nothing to hide behind, and the
@@ -70,34 +77,9 @@ STEP_OVERHEAD_S = 0.02
 OPTIMIZER_S_PER_PARAM = 3.9e-11
 # ^ fused AdamW is memory-bound (read and write parameter, gradient, two moments): 30.6 ms
 #   for the 0.78B parameters an H100 holds under FSDP2 (torch 2.11, the call that measured
-#   the TP2 optimizer below; an earlier FSDP2 record measured 22.3 ms).
-TP_OPTIMIZER_SLOWDOWN = 2.0
-# ^ TP2's optimizer step took 62.3 ms against FSDP2's 30.6 in the same call, for the same
-#   parameter count per GPU: TP steps each matrix's shard and the replicated norms and
-#   biases as separate DTensors (more, smaller tensors than FSDP2's flat half). Since the
-#   partial-sum gradients are reduced once in the backward, the step issues no collective;
-#   before that it took 185.7-209.5 ms (the old 9.4, from the superseded records).
-TP_HOST_S_PER_BLOCK = 5.5e-3
-# ^ under TP the host, not the GPU, sets the pace at small micro-batches. Each call of a
-#   compiled block unwraps its DTensor parameters, wraps its outputs and gradients again and
-#   runs the redistributions around it in Python: about 5.5 ms of CPU per block per
-#   micro-step (forward and backward) on the H100 machines, where the GPU's own work for one
-#   block of gpt2-1.5b at micro-batch 8 is about 2.9 ms. So 42% of the profiled TP2 step had
-#   no kernel running, and NCCL's kernels, which include the wait for the other rank, looked
-#   slow (0.33 ms for a 26 MB all-gather that takes 0.12 ms alone). Doubling the micro-batch
-#   halves the calls for the same tokens: the step fell from 2,172 to 1,181 ms (30.2k to
-#   55.5k tok/s; the term predicted 29.9k and 54.6k; with the per-block-call term, 29.9k and
-#   57.2k). A stage therefore takes the longer of the device's time (compute and TP's bytes)
-#   and the host's.
-FSDP_HOST_SHARE_UNDER_TP = 0.75
-# ^ composed with FSDP2 (a 2-D mesh), each block call also runs FSDP2's hooks on 2-D
-#   DTensors: TP2 x FSDP2 of gpt2-1.5b on 4 x H100 (micro-batch 8, 4 micro-steps) took a
-#   1,878 ms step, 9.6 ms per block call, 1.75x TP2's alone. One measurement: a fit.
-TP_SPLIT_EFFICIENCY = 1.0
-# ^ compute efficiency kept per halving of the matmuls' width. The same profile shows none
-#   lost at TP2 (width 1600 -> 800): matmul, attention and element-wise kernels took 807 ms,
-#   where this model's unsplit compute is 851 ms (the earlier 0.8 was a fit that the
-#   collective cost now carries). Unmeasured at tp >= 4, where narrower matmuls may lose some.
+#   TP2's optimizer, TP_OPTIMIZER_SLOWDOWN; an earlier FSDP2 record measured 22.3 ms).
+# TP's own constants (its host time per block, its optimizer's slowdown) are its costs:
+# distlm/layout/tensor.py.
 
 
 @dataclass(kw_only=True)
@@ -152,19 +134,19 @@ def block_matrix_params(m: ModelConfig) -> int:
     return 4 * m.d_model * m.d_model + (3 if m.mlp == "swiglu" else 2) * m.d_model * m.d_ff
 
 
-def block_saved_elements(m: ModelConfig, tp: int, sp: bool) -> tuple[float, float]:
+def block_saved_elements(m: ModelConfig, split: int, residual: int) -> tuple[float, float]:
     """Elements per token that one block keeps for backward, as (fp32-held, compute-dtype).
 
     Attention: the norm's input (the fp32 residual stream) and output, q, k, v, the SDPA
     output and its reshaped copy (the out-projection's input). MLP: the norm's input and
     output, then gelu's input and output (2 x d_ff) or swiglu's gate, up, silu(gate) and
-    product (4 x d_ff). Under TP the per-head and d_ff tensors are split; with sequence
-    parallelism the norm inputs are too, but the gathered norm outputs (the column-parallel
-    layers' inputs) are whole."""
+    product (4 x d_ff). The per-head and d_ff tensors are divided ``split`` ways (TP), the
+    norm inputs ``residual`` ways (sequence parallelism); the gathered norm outputs (the
+    column-parallel layers' inputs) are whole."""
     d, ff = m.d_model, m.d_ff
     k = 4 if m.mlp == "swiglu" else 2
-    fp32 = 2 * d / (tp if sp else 1)
-    split = (3 * d + d + d + k * ff) / tp
+    fp32 = 2 * d / residual
+    split = (3 * d + d + d + k * ff) / split
     normed = 2 * d
     return fp32, split + normed
 
@@ -216,48 +198,54 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
             raise ValueError(f"{name}={value} must be positive")
     T, d, V = m.block_size, m.d_model, m.padded_vocab_size
     dp = lay.dp_size
-    # cp: each GPU holds T / cp tokens of every row, and FSDP2 shards the parameters over the
-    # data shards and the cp ranks together (distlm/layout/context.py); ep's ranks are data
-    # shards too under FSDP2 (distlm/layout/expert.py)
-    cp = lay.cp
-    t, shard = lay.tp, lay.shard_degree
-    Tl = T / cp
+    shard = lay.shard_degree  # the shard role's axes (FSDP2's group: the data shards, cp, ep under FSDP2)
     local_batch = global_batch // dp
     n_mb = max(1, local_batch // micro_batch)
     b = micro_batch
-    # parameters on the busiest stage: its blocks plus the larger end (embedding or head)
     bs, br = block_params(m)
     emb, head, extra = end_params(m)
-    L = layer_split(m, lay.pp)
-    # model.value_embeds: more token tables beside the embedding (refused under PP), held and
-    # updated like it (by AdamW, whatever the optimizer of the matrices)
-    tables = m.value_embeds * m.padded_vocab_size * d
-    ends = emb + head + extra + tables if lay.pp == 1 else max(emb + extra, head or emb)
-    n_local = (L * bs + ends) / t + L * br
     moe = _moe_terms(m, lay)
+    axes = [(a, lay.degree(a)) for a in AXES]
+    w = Work(layout=lay, micro_batch=b, n_mb=n_mb, block_size=T, d_model=d, compute_bytes=compute_bytes,
+             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, block_split=bs, block_whole=br,
+             emb=emb, head=head, extra=extra,
+             # model.value_embeds: more token tables beside the embedding (refused under PP), held and
+             # updated like it (by AdamW, whatever the optimizer of the matrices)
+             tables=m.value_embeds * m.padded_vocab_size * d, n_layer=m.n_layer,
+             stage_blocks=lambda n: layer_split(m, n), moe_layers=moe["layers"],
+             top_k=m.moe.top_k if m.moe.enabled else 0, experts=moe["experts"])
+    w.divisors = {part: math.prod(a.divides(part, k, w) for a, k in axes) for part in PARTS}
+    w.rows = T / w.divisor("rows")
+    # parameters on the busiest stage: its blocks plus the larger end (embedding or head)
+    w.blocks, ends = m.n_layer, emb + head + extra + w.tables
+    for a, k in axes:
+        stage = a.busiest_stage(w, k)
+        if stage is not None:
+            w.blocks, ends = stage
+    L, Tl = w.blocks, w.rows
+    n_local = (L * bs + ends) / w.divisor("matrices") + L * br
     # A mixture of experts: its blocks' MLPs are the router, the shared and the routed experts;
-    # the routed ones spread over ep and then FSDP2's dp_shard (n_experts: this GPU's), the rest
+    # the routed ones divided by the axes that hold them apart (n_experts: this GPU's), the rest
     # sharded like any weight.
     n_local += moe["other"] - moe["dense_mlps"]
-    n_experts = moe["experts"] / (lay.ep * lay.dp_shard)
+    w.n_local = n_local
+    w.n_experts = n_experts = moe["experts"] / w.divisor("experts")
     p_bytes = 4 * (n_local / shard + n_experts)
-    # The optimizer's state as it declares it per parameter: the blocks' matrices (all split by
-    # TP) may be kept otherwise than the rest (Muon: one momentum against AdamW's two moments).
+    # The optimizer's state as it declares it per parameter: the blocks' matrices (all split
+    # like them) may be kept otherwise than the rest (Muon: one momentum against AdamW's two moments).
     spec = optimizer or REGISTRY["adamw"]
-    n_matrix = L * block_matrix_params(m) / t + moe["other"] - moe["dense_mlps"]
+    n_matrix = L * block_matrix_params(m) / w.divisor("matrices") + moe["other"] - moe["dense_mlps"]
     by_kind = {MATRIX: n_matrix / shard + n_experts, OTHER: (n_local - n_matrix) / shard}
     optim_gb = sum(spec.state_bytes(kind) * n for kind, n in by_kind.items()) / GIB
     step_temporaries_gb = sum(4 * spec.step_temporaries.get(kind, 0.0) * n for kind, n in by_kind.items()) / GIB
     params_gb, grads_gb = p_bytes / GIB, p_bytes / GIB
-    buffers_gb = (2 * compute_bytes * (bs / t + br) / GIB) if shard > 1 else 0.0
+    buffers_gb = sum(a.buffer_bytes(w, k) for a, k in axes) / GIB
     # activations of one microbatch on this stage, times those in flight
-    fp32_el, cd_el = block_saved_elements(m, t, sequence_parallel and t > 1)
+    fp32_el, cd_el = block_saved_elements(m, w.divisor("matrices"), w.divisor("residual"))
     cd_el += moe["saved_per_token"]  # averaged over the blocks
     per_layer = b * Tl * (4 * fp32_el + compute_bytes * cd_el)
-    # context parallelism: the gathered K and V of the whole row (this rank's heads), kept for backward
-    kv_row = 2 * b * T * d / t * compute_bytes if cp > 1 else 0.0
-    per_layer += kv_row
-    in_flight = 1 if lay.pp == 1 else (n_mb if lay.schedule in ("gpipe", "naive") else min(lay.pp, n_mb))
+    per_layer += sum(a.saved_per_layer(w, k) for a, k in axes)
+    in_flight = max(a.in_flight(w, k) for a, k in axes)
     # logits, their fp32 copy and gradient; model.loss_chunk holds one chunk of them (it applies
     # where the model computes its own loss: no TP, no pipeline)
     rows = min(b * Tl, m.loss_chunk) if m.loss_chunk and lay.model_computes_loss else b * Tl
@@ -271,69 +259,41 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     # tests/test_memory_estimates.py holds the planner to them.
     fused = fused_loss and lay.model_computes_loss
     per_logit = 2 * compute_bytes + (4 if m.logit_softcap else 0) if fused else compute_bytes + 4 + 4
-    logits = rows * V / (t if loss_parallel else 1) * per_logit
+    logits = rows * V / w.divisor("vocab") * per_logit
     if lay.ac == "full":
         # Only each block's input is kept; one block's tensors come back during its
         # recompute, by which time the logits are gone: the peak is the larger of the two.
-        kept = b * Tl * 4 * d / (t if sequence_parallel and t > 1 else 1) * L
+        kept = b * Tl * 4 * d / w.divisor("residual") * L
         activations_gb = (kept * in_flight + max(logits, per_layer)) / GIB
     else:
         activations_gb = (per_layer * L * in_flight + logits) / GIB
     # The optimizer step runs after the backward pass, when the activations are freed.
     total = params_gb + grads_gb + optim_gb + buffers_gb + max(activations_gb, step_temporaries_gb)
-    # communication per GPU per step (bytes sent) on each axis's collectives, ring algorithms:
-    # 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter
-    sent = {}
-    r = lay.replicate_degree  # under DDP with ep, dp_replicate x ep: the weights outside the routed experts
-    if r > 1:  # under HSDP only the 1/dp_shard of the gradients each GPU owns
-        # (the routed experts: all-reduced over dp_replicate alone)
-        sent["dp_replicate"] = 2 * (r - 1) / r * 4 * n_local / shard \
-            + 2 * (lay.dp_replicate - 1) / lay.dp_replicate * 4 * n_experts
-    if lay.ep > 1:
-        # Every MoE block: each token's top_k copies out and back (dispatch, combine), forward and
-        # backward, (ep-1)/ep of them to other ranks.
-        sent["ep"] = 4 * moe["layers"] * n_mb * (lay.ep - 1) / lay.ep * b * Tl * m.moe.top_k * d * compute_bytes
-    if shard > 1:
-        gathers = 2 * n_mb if lay.pp == 1 else 2  # kept unsharded across a step's microbatches under PP
-        # the routed experts gathered over dp_shard alone
-        sent["dp_shard"] = ((shard - 1) / shard * n_local + (lay.dp_shard - 1) / lay.dp_shard * moe["experts"] / lay.ep) \
-            * (compute_bytes * gathers + 4)
-    if t > 1:  # 2 collectives forward + 2 backward per block, on the residual stream
-        sent["tp"] = 4 * L * n_mb * 2 * (t - 1) / t * b * Tl * d * compute_bytes
-    if lay.pp > 1:
-        sent["pp"] = 2 * n_mb * b * T * d * compute_bytes / (t if sequence_parallel and t > 1 else 1)
-    if cp > 1:  # per block: K and V all-gathered (forward, again in a recompute), reduce-scattered (backward)
-        passes = 3 if lay.ac == "full" else 2
-        sent["cp"] = passes * L * n_mb * (cp - 1) / cp * kv_row
+    # communication per GPU per step (bytes sent) on each axis's collectives
+    sent = {a.name: v for a, k in axes if (v := a.bytes_sent(w, k)) is not None}
     comm = sum(sent.values())
     gpn = gpus_per_node or lay.size
     crossing = crossing_axes(lay, gpn)
-    # FSDP2's group is the data shards x the cp ranks: it leaves a node where its outer axis does
-    group_axis = {"dp_shard": "dp_shard" if lay.dp_shard > 1 else "cp"}
-    crosses = {k for k in sent if group_axis.get(k, k) in crossing}
+    crosses = {name for name in sent if axis_named(name).traffic_axis(lay) in crossing}
     # a collective runs at the pace of the slowest link its group crosses
     link_s = {axis: v / ((inter_gbs if axis in crosses else intra_gbs) * GB) for axis, v in sent.items()}
-    # time: a pipeline stage's work per step is its compute plus what TP puts on its critical
-    # path; the bubble stretches all of it. Then the optimizer, and DP/PP traffic partly
-    # hidden behind the backward pass.
+    # time: a pipeline stage's work per step is its compute plus the traffic the compute waits
+    # for; the bubble stretches all of it. Then the optimizer, and the rest of the traffic
+    # partly hidden behind the backward pass.
     n_total = m.n_layer * (bs + br) + emb + head + moe["other"] - moe["dense_mlps"] + moe["active_experts"]
     flops = (6 * n_total + 12 * m.n_layer * d * T) * global_batch * T
     compute_s = flops / lay.size / (peak_tflops * 1e12 * mfu) + L * n_mb * BLOCK_CALL_S
     if lay.ac == "full":
         compute_s *= 4 / 3  # the forward again
-    compute_s /= TP_SPLIT_EFFICIENCY ** math.log2(t)
-    # TP's collectives, cp's K/V gathers and ep's all-to-alls sit between the matmuls that need
-    # them: not hidden
-    critical = ("tp", "cp", "ep")
+    compute_s /= math.prod(a.compute_efficiency(k) for a, k in axes)
+    critical = [a.name for a in AXES if a.critical_path]
     device_s = compute_s + sum(link_s.get(a, 0.0) for a in critical)
-    host_s = 0.0
-    if t > 1:
-        host_s = L * n_mb * TP_HOST_S_PER_BLOCK * (1 + (FSDP_HOST_SHARE_UNDER_TP if shard > 1 else 0.0))
-    tp_host_s = max(0.0, host_s - device_s)  # the part of the host's time the GPU waits for
-    bubble = 0.0 if lay.pp == 1 else (lay.pp - 1) / (n_mb + lay.pp - 1) if lay.schedule != "naive" \
-        else (lay.pp - 1) / lay.pp
-    stage_s = (device_s + tp_host_s) / (1 - bubble)
-    optimizer_s = p_bytes / 4 * OPTIMIZER_S_PER_PARAM * (TP_OPTIMIZER_SLOWDOWN if t > 1 else 1)
+    host = {a.name: a.host_s(w, k) for a, k in axes if a.paces_host}
+    host_s = sum(host.values())
+    host_wait_s = max(0.0, host_s - device_s)  # the part of the host's time the GPU waits for
+    bubble = max(a.bubble(w, k) for a, k in axes)
+    stage_s = (device_s + host_wait_s) / (1 - bubble)
+    optimizer_s = p_bytes / 4 * OPTIMIZER_S_PER_PARAM * math.prod(a.optimizer_slowdown(k) for a, k in axes)
     hidden_s = DP_EXPOSED * sum(v for axis, v in link_s.items() if axis not in critical)
     step_s = stage_s + optimizer_s + hidden_s + STEP_OVERHEAD_S
     est = Estimate(lay, params_gb, grads_gb, optim_gb, buffers_gb, activations_gb, total, comm / GB, step_s, bubble,
@@ -341,9 +301,11 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
                    inter_axes=tuple(a for a in sent if a in crosses),
                    sent_gb={a: v / GB for a, v in sent.items()},
                    nodes=max(1, math.ceil(lay.size / gpn)),
-                   time_ms={"compute": compute_s * 1e3, "tp_comm": link_s.get("tp", 0.0) * 1e3,
-                            "cp_comm": link_s.get("cp", 0.0) * 1e3, "ep_comm": link_s.get("ep", 0.0) * 1e3,
-                            "tp_host": tp_host_s * 1e3, "bubble": (stage_s * bubble) * 1e3,
+                   time_ms={"compute": compute_s * 1e3,
+                            **{f"{a}_comm": link_s.get(a, 0.0) * 1e3 for a in critical},
+                            **{f"{a}_host": (host_wait_s * (v / host_s) if host_s else 0.0) * 1e3
+                               for a, v in host.items()},
+                            "bubble": (stage_s * bubble) * 1e3,
                             "optimizer": optimizer_s * 1e3, "dp_pp_exposed": hidden_s * 1e3,
                             "per_step": STEP_OVERHEAD_S * 1e3}, micro_batch=micro_batch,
                    optimizer=spec.name, step_temporaries_gb=step_temporaries_gb)
@@ -372,58 +334,81 @@ def _moe_terms(m: ModelConfig, lay: Layout) -> dict:
                 saved_per_token=saved * n / m.n_layer)
 
 
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _weighed_degrees(gpus: int, gpus_per_node: Optional[int]):
+    """The degrees the planner weighs for ``gpus`` (its choice; what the axes refuse of them is
+    theirs): every degree of every axis but the data-parallel ones whose product divides
+    ``gpus``, the rest of the ranks data-parallel: DDP or FSDP2 over all of them or, on several
+    nodes, HSDP (the data shards filling the rest of a node, replicas across). An axis whose
+    ranks are FSDP2 shards themselves (cp) takes part of the FSDP2 degree: no replicas beside it."""
+    data = [a for a in AXES if a.data_parallel]
+    split = [a for a in AXES if not a.data_parallel]
+    replicate, shard_axis = (next(a for a in data if a.gradients == role) for role in ("replicate", "shard"))
+    for degrees in itertools.product(_divisors(gpus), repeat=len(split)):
+        if gpus % math.prod(degrees):
+            continue
+        dp = gpus // math.prod(degrees)
+        named = {a.name: k for a, k in zip(split, degrees)}
+        # the ranks inside the data shards in the mesh: a node's GPUs over them is what HSDP shards over
+        inner = math.prod(k for a, k in zip(split, degrees) if a.mesh_rank > shard_axis.mesh_rank)
+        in_node = gpus_per_node // inner if gpus_per_node and gpus_per_node % inner == 0 else 0
+        shards = [dp] if any(k > 1 and a.gradients == "shard" for a, k in zip(split, degrees)) else \
+            [s for s in _divisors(dp) if s in (1, dp, in_node)]
+        for s in shards:
+            yield {replicate.name: dp // s, shard_axis.name: s, **named}
+
+
+def _why_not(m: ModelConfig, degrees: dict) -> Optional[str]:
+    """Why the layout ``degrees`` is not weighed for ``m``: what an axis refuses (the rules
+    config validation runs, ``check_split``, on a config of this model and these degrees), or
+    an axis's own ``not_weighed``; None: it is weighed."""
+    try:
+        check_split(Config(model=m, parallel=ParallelConfig(**degrees)))
+    except ConfigError as e:
+        return str(e)
+    return next((why for a in AXES if (why := a.not_weighed(m, degrees.get(a.name, 1)))), None)
+
+
 def layouts(gpus: int, m: ModelConfig, gpus_per_node: Optional[int] = None) -> list[Candidate]:
-    """Every (dp_replicate, dp_shard, tp, pp) with product = gpus that the model allows,
-    each with and without full activation checkpointing. Data parallelism is DDP or FSDP2
-    over all of it, and on several nodes also HSDP: dp_shard filling the rest of a node
-    (tp x dp_shard = gpus_per_node), dp_replicate across nodes. Context parallelism takes
-    part of the FSDP2 degree (cp x dp_shard, no pipeline) where the row splits into 2 x cp
-    chunks (x tp under sequence parallelism)."""
-    out = []
-    if m.moe.enabled:
-        # Data parallelism, with or without expert parallelism (TP, PP and cp refuse an MoE model):
-        # DDP or FSDP2 over the ranks that the ep degree leaves.
-        for ep in (k for k in range(1, gpus + 1) if gpus % k == 0 and m.moe.experts % k == 0):
-            dp = gpus // ep
-            for shard in {1, dp}:
-                for ac in ("none", "full"):
-                    out.append(Candidate(dp // shard, shard, 1, 1, ep=ep, ac=ac))
-        return out
-    for tp in range(1, gpus + 1):
-        if gpus % tp or m.n_head % tp or m.d_ff % tp:
-            continue
-        dp = gpus // tp
-        for cp in (c for c in range(2, dp + 1) if dp % c == 0 and m.block_size % (2 * c * tp) == 0):
-            for ac in ("none", "full"):
-                out.append(Candidate(1, dp // cp, tp, 1, cp=cp, ac=ac))
-    for tp, pp in itertools.product(range(1, gpus + 1), repeat=2):
-        if gpus % (tp * pp) or m.n_head % tp or m.d_ff % tp or (pp > 1 and pp > m.n_layer):
-            continue
-        dp = gpus // (tp * pp)
-        in_node = gpus_per_node // tp if gpus_per_node and gpus_per_node % tp == 0 else 0
-        for shard in [s for s in range(1, dp + 1) if dp % s == 0 and s in (1, dp, in_node)]:
-            for ac in ("none", "full"):
-                out.append(Candidate(dp // shard, shard, tp, pp, ac=ac))
-    return out
+    """Every layout of ``gpus`` the planner weighs (``_weighed_degrees``) that the axes run
+    for this model, each with and without full activation checkpointing."""
+    return [Candidate(**degrees, ac=ac) for degrees in _weighed_degrees(gpus, gpus_per_node)
+            if _why_not(m, degrees) is None for ac in ("none", "full")]
 
 
 def skipped_layouts(gpus: int, m: ModelConfig) -> list[str]:
-    """Why degrees that divide the GPU count are missing from the table, one line each (a
-    silent gap reads as if the planner had not considered them)."""
+    """Why degrees that divide the GPU count are missing from the table, one line per axis and
+    reason, the axes' own (a silent gap reads as if the planner had not considered them). An
+    axis this kind of model has no use for (ep for a dense model, tp for a mixture of experts)
+    goes unmentioned."""
     degrees = [k for k in range(2, gpus + 1) if gpus % k == 0]
     notes = []
-    heads = [t for t in degrees if m.n_head % t]
-    if heads:
-        notes.append(f"{', '.join(f'tp={t}' for t in heads)} skipped: {m.n_head} heads do not split by "
-                     f"{', '.join(map(str, heads))}{_head_count_hint(m, heads)}")
-    ff = [t for t in degrees if t not in heads and m.d_ff % t]
-    if ff:
-        notes.append(f"{', '.join(f'tp={t}' for t in ff)} skipped: d_ff {m.d_ff} does not split by "
-                     f"{', '.join(map(str, ff))}")
-    deep = [p for p in degrees if p > m.n_layer]
-    if deep:
-        notes.append(f"{', '.join(f'pp={p}' for p in deep)} skipped: {m.n_layer} layers cannot fill "
-                     f"{deep[0]} pipeline stages")
+    for a in AXES:
+        if model_kind(m) not in a.model_kinds:
+            continue
+        refused: dict = defaultdict(list)  # the model's setting in the way -> [(degree, refusal)]
+        for k in degrees:
+            try:
+                check_model_split(m, ParallelConfig(**{a.name: k}))
+            except SplitRefusal as e:
+                refused[e.field].append((k, e))
+                continue
+            why = a.not_weighed(m, k)
+            if why:
+                refused[None].append((k, why))
+        for setting, got in refused.items():
+            ks = [k for k, _ in got]
+            first = got[0][1]
+            if setting == "model.n_head":
+                why = f"{first.value} heads do not split by {', '.join(map(str, ks))}{_head_count_hint(m, ks)}"
+            elif setting == "model.d_ff":
+                why = f"d_ff {first.value} does not split by {', '.join(map(str, ks))}"
+            else:
+                why = str(first)
+            notes.append(f"{', '.join(f'{a.name}={k}' for k in ks)} skipped: {why}")
     return notes
 
 
@@ -472,10 +457,7 @@ def plan(m: ModelConfig, gpus: int, gpu_mem_gb: float, global_batch: int, micro_
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
-COLLECTIVES = {"dp_replicate": "gradient all-reduce (dp_replicate)",
-               "dp_shard": "FSDP all-gather + reduce-scatter (dp_shard)",
-               "tp": "TP all-gather + reduce-scatter (tp)", "pp": "pipeline send/recv (pp)",
-               "cp": "K/V all-gather + reduce-scatter (cp)", "ep": "token all-to-all (ep)"}
+COLLECTIVES = {a.name: f"{a.collective} ({a.name})" for a in AXES}
 
 
 def network_lines(e: Estimate) -> list[str]:

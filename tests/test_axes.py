@@ -1,4 +1,4 @@
-"""The parallel layout (distlm/layout/) and the plan parallelize() returns (distlm/parallel/plan.py):
+"""The parallel layout (distlm/layout/) and the plan parallelize() returns (distlm/parallel/applied.py):
 the named questions each layout answers, the registry's consistency, that an axis is added by
 registration alone, and the per-batch hook the step runs every micro-batch through."""
 import dataclasses
@@ -9,7 +9,7 @@ import torch
 from distlm.config import ParallelConfig, load_config
 from distlm.layout import AXES, MESH_ORDER, Layout
 from distlm.parallel import ParallelDims, parallelize
-from distlm.parallel.plan import Batch
+from distlm.parallel.applied import Batch
 
 PARTIAL_SHARDS = "under FSDP2 or tensor parallelism each rank holds shards of the weights, not the whole model"
 PARTIAL_STAGES = "under pipeline parallelism each rank holds a stage, not the whole model"
@@ -70,15 +70,86 @@ def test_sequence_divisor_and_micro_batches():
 
 
 # ---- the registry -----------------------------------------------------------------------------
-def test_every_axis_is_registered_everywhere():
-    """An axis in the registry has its degree in the config, in Layout and in the mesh."""
+# A test-local axis, in its own file as a real one is: a ring of ranks that read the same rows,
+# average the loss over them and send a byte per token, between cp and tp in the mesh.
+RING_AXIS = """
+from distlm.layout.axis import Axis
+
+
+class Ring(Axis):
+    name, label = "rg", "ring"
+    help = "ring degree: a test-local axis"
+    mesh_rank = 55
+    collective = "ring pass"
+    averages_loss = True
+    critical_path = True
+
+    def bytes_sent(self, w, degree):
+        return None if degree == 1 else float(w.micro_batch * w.block_size)
+"""
+
+# What a copy of distlm with that file and its registry line answers.
+RING_CHECKS = """
+import dataclasses, json
+from distlm.config import ParallelConfig, load_config
+from distlm.layout import AXES, MESH_ORDER, Layout
+from distlm.planner import COLLECTIVES, Candidate, estimate, layouts
+cfg = load_config(None, ["model.vocab_size=256", "parallel.rg=2", "parallel.tp=2"])
+lay = Layout.of(cfg.parallel)
+est = estimate(cfg.model, Candidate(rg=2), 8, 4, 80)
+print(json.dumps(dict(
+    registry=[a.name for a in AXES], layout=[f.name for f in dataclasses.fields(Layout)],
+    parallel=[f.name for f in dataclasses.fields(ParallelConfig)][:len(AXES)], mesh=list(MESH_ORDER),
+    name=lay.name, overrides=lay.overrides(), loss_axes=list(lay.loss_axes), size=lay.size,
+    help=next(f.metadata["help"] for f in dataclasses.fields(ParallelConfig) if f.name == "rg"),
+    sent=est.sent_gb.get("rg"), ring_ms=est.time_ms.get("rg_comm"), collective=COLLECTIVES.get("rg"),
+    candidates=sorted({c.name for c in layouts(4, cfg.model)}))))
+"""
+
+
+def test_an_axis_joins_by_registration_alone(tmp_path):
+    """A copy of distlm with one more axis: its own file in distlm/layout/ and its line in the
+    registry, nothing else. The degree is then a field of Layout and of the config's parallel
+    section (parsed, documented), a dimension of the mesh in its place, part of the layouts'
+    names and overrides, a role in the loss's mean, and its costs are the planner's."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    pkg = Path(__file__).resolve().parents[1] / "distlm"
+    copy = tmp_path / "distlm"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    (copy / "layout" / "ring.py").write_text(RING_AXIS)
+    registry = copy / "layout" / "__init__.py"
+    line = "AXES: tuple[Axis, ...] = (DataReplicate(), DataShard(), Tensor(), Pipeline(), Context(), Expert())"
+    text = registry.read_text()
+    assert text.count(line) == 1, "the registry line moved: update this test"
+    registry.write_text(text.replace(line, "from distlm.layout.ring import Ring\n" + line[:-1] + ", Ring())"))
+    run = subprocess.run([sys.executable, "-c", RING_CHECKS], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    names = [a.name for a in AXES] + ["rg"]
+    assert got["registry"] == got["layout"] == got["parallel"] == names
+    assert got["mesh"] == ["pp", "dp_replicate", "dp_shard", "ep", "cp", "rg", "tp"]
+    assert got["name"] == "tp2xring2" and got["overrides"] == "parallel.tp=2 parallel.rg=2" and got["size"] == 4
+    assert got["loss_axes"][-1] == "rg" and got["help"] == "ring degree: a test-local axis"
+    assert got["sent"] == 4 * 128 / 1e9 and got["ring_ms"] > 0 and got["collective"] == "ring pass (rg)"
+    assert {"fsdp2xring2", "tp2xring2", "ring4+ac"} <= set(got["candidates"])  # the planner weighs it too
+
+
+def test_what_the_registry_derives():
+    """The degrees' fields and the mesh come from AXES, in its order and by mesh_rank."""
     names = [a.name for a in AXES]
-    assert len(set(names)) == len(names) and sorted(MESH_ORDER) == sorted(names)
     assert [f.name for f in dataclasses.fields(Layout)] == names
-    assert all(hasattr(ParallelConfig(), n) for n in names)
-    assert all(a.label and a.gradients in (None, "replicate", "shard") for a in AXES)
-    assert MESH_ORDER[-1] == "tp"  # innermost: TP's collectives on consecutive ranks
-    assert Layout.of(ParallelConfig(tp=2, pp=3)) == Layout(tp=2, pp=3)
+    assert [f.name for f in dataclasses.fields(ParallelConfig)][:len(names)] == names
+    assert MESH_ORDER == tuple(a.name for a in sorted(AXES, key=lambda a: a.mesh_rank))
+    assert MESH_ORDER[0] == "pp" and MESH_ORDER[-1] == "tp"  # TP's collectives on consecutive ranks
+    assert all(a.label and a.help and a.collective and a.gradients in (None, "replicate", "shard") for a in AXES)
+    assert Layout.of(ParallelConfig(tp=2, pp=3)) == Layout(tp=2, pp=3) == Layout(1, 1, 2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ParallelConfig().tp = 2
 
 
 def test_parallel_dims_is_the_layout_with_a_place_in_it():
@@ -90,9 +161,9 @@ def test_parallel_dims_is_the_layout_with_a_place_in_it():
         ParallelDims(world_size=2)
 
 
-def test_an_axis_joins_by_registration():
-    """The context axis (distlm/layout/context.py) is its class, its degree field and two
-    registry entries: every named question, the roles' meshes, the name and the row divisor follow."""
+def test_the_context_axis_answers_by_its_attributes():
+    """The context axis (distlm/layout/context.py) says what its ranks do: every named
+    question, the roles' meshes, the name and the row divisor follow from that."""
     cfg = load_config(None, ["model.vocab_size=256"])
     lay = Layout(dp_shard=2, cp=2, tp=2)
     assert lay.name == "fsdp2xtp2xcp2" and lay.size == 8

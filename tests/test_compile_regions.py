@@ -161,7 +161,7 @@ def test_ddp_leaves_each_compiled_block_one_graph(tmp_path):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distlm.parallel.parallelize import compiler_settings
-    from distlm.parallel.plan import compute_context
+    from distlm.parallel.applied import compute_context
     from distlm.train.compile_cache import cache_counters
 
     # Blocks of 3 MB of fp32 gradients: past DDP's 1 MB first bucket, where the first cut falls.
@@ -206,7 +206,7 @@ def test_compute_context_autocasts_with_and_without_compiler_settings(settings):
     """Every bf16 run on a GPU goes through this context, with compiler settings (DDP with
     per-block compile) or without (one GPU, FSDP2, whole-model compile). Both paths enter
     autocast, and the settings hold only inside."""
-    from distlm.parallel.plan import compute_context
+    from distlm.parallel.applied import compute_context
 
     before = torch._dynamo.config.optimize_ddp
     with compute_context(torch.device("cpu"), torch.bfloat16, compiler_settings=settings):

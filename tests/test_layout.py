@@ -1,7 +1,7 @@
 """The package's shape: no import cycles, imports run down the floors and no two packages
 import each other, the config stays frozen, the Trainer does not branch on the parallel
 layout, the task or the engine, and neither train/ nor tasks/ tests a degree or an engine:
-they ask the layout or the plan (distlm/layout/, distlm/parallel/plan.py)."""
+they ask the layout or the plan (distlm/layout/, distlm/parallel/applied.py)."""
 import ast
 import dataclasses
 from pathlib import Path

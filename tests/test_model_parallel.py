@@ -291,7 +291,7 @@ def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
     (["parallel.pp=2", "train.global_batch_size=12", "train.micro_batch_size=4", "parallel.pp_microbatches=5"],
      "parallel.pp_microbatches=5"),
     (["parallel.pp=2", "parallel.pp_virtual_stages=0"], "pp_virtual_stages must be positive"),
-    (["parallel.tp=2", "parallel.engine=horovod"], "tp and pp need engine=torch"),
+    (["parallel.tp=2", "parallel.engine=horovod"], "parallel.tp=2 needs parallel.engine=torch"),
 ])
 def test_bad_model_parallel_config(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -6,30 +6,40 @@ split the forward, split the sequence; which mesh dimensions feed data, average 
 gradients, take the loss's mean; what a row length must divide by; does it split nothing.
 ``distlm.parallel.dims.ParallelDims`` is a Layout plus this process's place in it (rank,
 device mesh); the planner's ``Candidate`` is a Layout plus activation checkpointing and a
-pipeline schedule. Each axis (distlm/layout/axis.py) owns its rules: ``check_layout``
-runs every axis's ``supports(cfg, layout)`` inside config validation, so a refusal is one
-line naming the field, before anything is built.
+pipeline schedule. Each axis (distlm/layout/axis.py) owns its rules and its costs:
+``check_layout`` runs every axis's ``check_model`` and ``supports`` inside config
+validation, so a refusal is one line naming the field, before anything is built; the
+planner (distlm/planner.py) sums what each axis reports of a step's memory, traffic and
+time, and weighs only the layouts the axes accept (``check_split``).
+
+Everything that lists the axes is derived from ``AXES``: the fields of ``Layout`` (in the
+registry's order, so that ``Layout(2, 1, 2)`` reads dp_replicate, dp_shard, tp), the
+degree fields of the config's parallel section (``with_degrees``: ``parallel.<name>``, its
+help line the axis's, ahead of the section's own fields), ``MESH_ORDER`` (by each axis's
+``mesh_rank``), the layouts' names and overrides, the planner's table of collectives.
 
 Adding an axis (a sequence axis ``cp``, say):
 
-1. ``distlm/layout/<room>.py``: a subclass of ``Axis`` with ``name = "cp"``, its label
-   (``"cp"``), the class attributes that say what its ranks share (a sequence axis:
+1. ``distlm/layout/<room>.py``: a subclass of ``Axis`` with ``name = "cp"``, its ``label``
+   (``"cp"``), ``help`` (the config field's line), ``mesh_rank`` (its place in the mesh,
+   between the ranks of the axes it sits between: tp stays innermost, on the fastest links),
+   the class attributes that say what its ranks share (a sequence axis:
    ``splits_sequence = True``, ``averages_loss = True``, ``gradients = "shard"`` to average
-   the gradients over it with the data shards) and its rules: ``supports`` (what it
-   refuses, one line each), ``sequence_divisor`` (e.g. ``2 * degree``), ``check_model``.
-2. Here: the degree as a field of ``Layout`` (``cp: int = 1``, after the others, so that
-   positional constructions keep their meaning), the axis in ``AXES`` (the order of the
-   config's fields and of layout names) and its name in ``MESH_ORDER`` (outermost first;
-   tp stays innermost, the fastest links).
-3. ``distlm/config.py``: the field ``ParallelConfig.cp`` (schema only: its rules are the
-   axis's). Positivity, the mesh (``ParallelDims.build_mesh``), the flattened meshes the
-   roles name (data, loss, gradient averaging: distlm/parallel/dims.py and fsdp.py), the
-   world-size check and the layout names follow from the registry.
-4. Its runtime: ``distlm/parallel/<room>.py`` with ``apply_<room>(model, dims, cfg)``,
+   the gradients over it with the data shards), the engines, model kinds and task needs it
+   runs with (``engines``, ``model_kinds``, ``plans_for_lm_head``; a task's needs are
+   distlm/layout/needs.py), its rules (``supports``: what else it refuses, one line each;
+   ``sequence_divisor``, e.g. ``2 * degree``; ``check_model``) and its costs for the planner
+   (``divides("rows", ...)``, ``saved_per_layer``, ``bytes_sent``, ``critical_path``, ...).
+2. Here: the axis in ``AXES``, after the others (the order of the config's fields, of
+   ``Layout``'s positional degrees and of layout names). Positivity, the mesh
+   (``ParallelDims.build_mesh``), the flattened meshes the roles name (data, loss, gradient
+   averaging: distlm/parallel/dims.py and fsdp.py), the world-size check, the planner's
+   candidates and estimate, and the layout names follow from the registry.
+3. Its runtime: ``distlm/parallel/<room>.py`` with ``apply_<room>(model, dims, cfg)``,
    called in ``distlm/parallel/parallelize.py`` in its place in the order. Where every
    micro-batch must change (a sequence axis: this rank's part of each row, and the
    positions of those tokens), ``apply_`` returns a per-batch hook, a callable
-   ``Batch -> Batch`` (distlm/parallel/plan.py), which parallelize adds to the plan's
+   ``Batch -> Batch`` (distlm/parallel/applied.py), which parallelize adds to the plan's
    ``batch_hooks``: the step runs every micro-batch through them before the forward, and
    passes ``Batch.forward`` (e.g. ``{"shard": ...}``) to the model as keyword arguments.
 
@@ -39,40 +49,48 @@ any such condition): they ask the layout or the plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from distlm.errors import ConfigError
-from distlm.layout.axis import Axis, token_id_extras
+from distlm.layout.axis import PARTS, Axis, SplitRefusal, Work, model_kind, token_id_extras
 from distlm.layout.context import Context
 from distlm.layout.data import DataReplicate, DataShard
 from distlm.layout.expert import Expert
+from distlm.layout.needs import TASKS, TaskNeeds, needs_of
 from distlm.layout.pipeline import Pipeline
 from distlm.layout.tensor import Tensor
 
 # The registry: every axis, in the order of the config's fields and of layout names (ddp2xtp2).
 AXES: tuple[Axis, ...] = (DataReplicate(), DataShard(), Tensor(), Pipeline(), Context(), Expert())
-# The device mesh's dimensions, outermost first: tp innermost, so that its frequent
-# collectives stay on consecutive ranks (one node's fast links); pp outermost. cp next to tp:
-# its all-gather runs in every attention layer, FSDP2's once per block. ep inside the data
-# shards: an FSDP2 unit over dp_shard holding experts sharded over ep lays them out on the
-# (dp_shard, ep) mesh, in that order.
-MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+# The device mesh's dimensions, outermost first (each axis's mesh_rank says why it sits where it does).
+MESH_ORDER: tuple[str, ...] = tuple(a.name for a in sorted(AXES, key=lambda a: a.mesh_rank))
 
 
 def axis_named(name: str) -> Axis:
     return next(a for a in AXES if a.name == name)
 
 
-@dataclass
+def with_degrees(make_field: Callable[[Axis], Any] = lambda a: field(default=1), **dataclass_options):
+    """A class decorator: the class as a dataclass (``dataclass_options``) whose first fields
+    are the degrees, an ``int`` per axis of ``AXES`` in its order, each made by ``make_field``
+    (default 1), then the class's own. ``Layout`` and the config's parallel section are made
+    so: an axis is a field of both by its registration alone."""
+    def make(cls):
+        own = cls.__dict__.get("__annotations__", {})
+        taken = [a.name for a in AXES if a.name in own]
+        if taken:
+            raise TypeError(f"{cls.__name__} declares {', '.join(taken)}, the degree of a registered axis")
+        cls.__annotations__ = {**{a.name: "int" for a in AXES}, **own}
+        for a in AXES:
+            setattr(cls, a.name, make_field(a))
+        return dataclass(**dataclass_options)(cls)
+    return make
+
+
+@with_degrees()
 class Layout:
     """The degrees, one per axis of ``AXES``; 1 = not split along it."""
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
 
     @classmethod
     def of(cls, p) -> "Layout":
@@ -173,6 +191,11 @@ class Layout:
         return not any(a.loss_outside_model for a in self.active())
 
     @property
+    def schedules_microbatches(self) -> bool:
+        """A schedule runs a step's micro-batches through the ranks (a pipeline's)."""
+        return any(a.schedules_microbatches for a in self.active())
+
+    @property
     def why_not_whole_model(self) -> Optional[str]:
         """Why a rank does not hold the whole model (None: it does), outermost axis first."""
         return next((a.partial_model for a in self.active(in_mesh_order=True) if a.partial_model), None)
@@ -208,24 +231,60 @@ class Layout:
 
 def check_model_split(m, p) -> None:
     """Each axis's refusals of the model it would split (``m``: the model section, ``p``: the
-    parallel one); again once the data has fixed the vocabulary."""
+    parallel one), a ``SplitRefusal``; again once the data has fixed the vocabulary."""
     layout = Layout.of(p)
+    kind = model_kind(m)
     for a in AXES:
-        a.check_model(m, p, layout.degree(a))
+        degree = layout.degree(a)
+        if degree > 1 and kind not in a.model_kinds:
+            raise SplitRefusal(a.refuse_kind(m, degree), "model.moe.experts", m.moe.experts)
+        a.check_model(m, p, degree)
 
 
-def check_layout(cfg) -> None:
-    """Every axis's rules for the whole config, then the rules of the layout as a whole
-    (the batch over the data ranks, a whole-model compile). Raises ConfigError."""
+def check_split(cfg) -> None:
+    """Every axis's rules for the layout ``cfg.parallel`` asks for: the model it splits, the
+    engine and the task it runs under (asked of every axis alike), the rest of the config
+    (``supports``), and a whole-model compile's. Not the batch: the planner asks this of each
+    layout it weighs, for a batch of its own. Raises ConfigError."""
     t, p = cfg.train, cfg.parallel
     layout = Layout.of(p)
     check_model_split(cfg.model, p)
+    needs = needs_of(cfg)
     for a in AXES:
+        degree = layout.degree(a)
+        if degree > 1:
+            _check_engine_and_task(a, degree, cfg, needs)
         a.supports(cfg, layout)
     # compile=auto is on wherever a GPU is: an explicit scope=model is refused with it too.
     if t.compile is not False and t.compile_scope == "model" and layout.splits_forward:
         raise ConfigError("train.compile_scope=model compiles the whole forward, which FSDP2, TP and PP split "
                           "into per-block or per-stage pieces; use train.compile_scope=block with them")
+
+
+def _check_engine_and_task(a: Axis, degree: int, cfg, needs: TaskNeeds) -> None:
+    p, task = cfg.parallel, cfg.task.name
+    if p.engine not in a.engines:
+        runs = ", ".join(f"parallel.{x.name}" for x in AXES if p.engine in x.engines)
+        raise ConfigError(f"parallel.engine={p.engine} does data parallelism only ({runs}); "
+                          f"parallel.{a.name}={degree} needs parallel.engine={' or '.join(a.engines)}")
+    if needs.whole_rows and a.splits_sequence:
+        raise ConfigError(f"task.name={task} does not support parallel.{a.name}={degree}: its head reads whole rows, "
+                          f"which parallel.{a.name} cuts over ranks; use data parallelism (parallel.dp_replicate or "
+                          f"parallel.dp_shard)")
+    if not needs.lm_head and a.plans_for_lm_head:
+        raise ConfigError(f"task.name={task} does not support parallel.{a.name}={degree}: its plans are written for "
+                          f"the language model's blocks and head; use data parallelism (parallel.dp_replicate or "
+                          f"parallel.dp_shard)")
+
+
+def check_layout(cfg) -> None:
+    """Every axis's rules for the whole config (``check_split``), then how the batch splits:
+    each axis's ``check_batch`` and the batch over the data ranks. Raises ConfigError."""
+    t = cfg.train
+    check_split(cfg)
+    layout = Layout.of(cfg.parallel)
+    for a in AXES:
+        a.check_batch(cfg, layout)
     dp = layout.dp_size
     micro = 1 if t.micro_batch_size is None else t.micro_batch_size
     if t.micro_batch_size is None and t.global_batch_size % dp:
@@ -250,5 +309,6 @@ def _batch_hint(t, dp: int) -> str:
     return "; use " + " or ".join(fixes)
 
 
-__all__ = ["AXES", "MESH_ORDER", "Axis", "Layout", "axis_named", "check_layout", "check_model_split",
-           "token_id_extras"]
+__all__ = ["AXES", "MESH_ORDER", "PARTS", "TASKS", "Axis", "Layout", "SplitRefusal", "TaskNeeds", "Work",
+           "axis_named", "check_layout", "check_model_split", "check_split", "model_kind", "needs_of",
+           "token_id_extras", "with_degrees"]

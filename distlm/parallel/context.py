@@ -64,7 +64,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from distlm.model.attention import document_ids
 from distlm.model.gpt import AttentionOverride
-from distlm.parallel.plan import Batch, BatchHook
+from distlm.parallel.applied import Batch, BatchHook
 
 
 def chunk_len(seq_len: int, cp: int) -> int:
@@ -213,7 +213,7 @@ def _chunk_mask(c: int, q_lo: int, k_lo: int, k_hi: int, docs: Optional[torch.Te
 
 
 def apply_context(dims) -> BatchHook:
-    """The per-batch hook of a layout with parallel.cp > 1 (distlm/parallel/plan.py): every
+    """The per-batch hook of a layout with parallel.cp > 1 (distlm/parallel/applied.py): every
     micro-batch's rows, the same on each rank of the cp group (the loader's data mesh leaves
     cp out), become this rank's part of them, and the model gets the ``shard`` that places
     those tokens in their rows."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from distlm.config import ConfigError, ParallelConfig
-from distlm.layout import Layout
 
 
 def _hvd():
@@ -58,8 +57,7 @@ def init_horovod(pcfg: ParallelConfig, device_type: str):
 
     hvd = _hvd()
     hvd.init()
-    if not Layout.of(pcfg).splits_nothing:
-        raise ConfigError("parallel.engine=horovod does data parallelism only: leave parallel.dp_shard, tp and pp at 1")
+    # An axis that does not run under Horovod (Axis.engines) was refused with the config.
     if pcfg.dp_replicate not in (1, hvd.size()):
         raise ConfigError(f"parallel.dp_replicate={pcfg.dp_replicate} but horovodrun started {hvd.size()} processes")
     if device_type == "cuda":

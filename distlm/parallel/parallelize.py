@@ -2,7 +2,7 @@
 
 Pipeline split (each rank keeps its stages), then TP, then activation checkpointing,
 then torch.compile per block, then FSDP2, then allocation + init (``materialize``),
-then DDP. Returns the plan (distlm/parallel/plan.py): the model to train, the step engine
+then DDP. Returns the plan (distlm/parallel/applied.py): the model to train, the step engine
 that drives it (distlm/parallel/step.py), and what the step needs of the layout: the
 Trainer never asks which layout it runs.
 """
@@ -16,7 +16,7 @@ import torch.nn as nn
 from distlm.config import Config
 from distlm.model.float8 import apply_float8
 from distlm.parallel.dims import ParallelDims
-from distlm.parallel.plan import BatchHook, ParallelPlan
+from distlm.parallel.applied import BatchHook, ParallelPlan
 from distlm.parallel.step import PipelineStep, PlainStep
 
 

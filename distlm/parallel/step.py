@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from distlm.model.gpt import count_params
 from distlm.parallel.grad import clip_grad_norm, grad_sync
-from distlm.parallel.plan import Batch
+from distlm.parallel.applied import Batch
 
 
 def loss_value(t: torch.Tensor) -> torch.Tensor:

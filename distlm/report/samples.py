@@ -7,7 +7,7 @@ model learned in between. The same sample comes back from a checkpoint of that s
     distlm generate --checkpoint RUN --prompt PROMPT --seed i --max-new-tokens 48 --temperature 0.8 --top-k 50
 
 Whether a run can sample at all (it needs the whole model in one process) is the parallel
-plan's answer (why_no_samples, distlm/parallel/plan.py); this module draws the samples and
+plan's answer (why_no_samples, distlm/parallel/applied.py); this module draws the samples and
 lays them out.
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from distlm.config import Config
+from distlm.layout import TaskNeeds
 from distlm.parallel.dims import ParallelDims
 
 
@@ -55,6 +56,7 @@ class RunContext:
 
 class Task(Protocol):
     name: str
+    needs: TaskNeeds  # what it asks of the axes that would split its model (distlm/layout/needs.py)
 
     def resolve(self, cfg: Config, comm, is_main: bool) -> Resolved:
         """Read (or, for a default data set, prepare) the data and fill the config from it."""
@@ -72,7 +74,7 @@ class Task(Protocol):
     def loss_fn(self, cfg: Config, plan) -> Callable[..., torch.Tensor]:
         """``loss(model, x, y, **forward)``, the mean loss of one micro-batch, as the plain step
         computes it; ``forward``: keyword arguments for the model from the plan's per-batch hook
-        (none unless an axis splits the rows). ``plan`` (distlm/parallel/plan.py) says whether
+        (none unless an axis splits the rows). ``plan`` (distlm/parallel/applied.py) says whether
         the model may compute its own loss (``model_computes_loss``)."""
 
     def pipeline_loss(self, cfg: Config, plan) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

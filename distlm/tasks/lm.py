@@ -12,7 +12,7 @@ from distlm.config import Config, ConfigError, updated
 from distlm.data import DataError, fit_vocab, load_manifest
 from distlm.data.loader import BatchLoader, TokenBlocks, val_micro_batches
 from distlm.io import atomic_write_dir
-from distlm.layout import check_model_split
+from distlm.layout import TASKS, check_model_split
 from distlm.model.gpt import GPT
 from distlm.model.loss import lm_loss
 from distlm.report.samples import sample_texts
@@ -23,6 +23,7 @@ SYNTHETIC_VOCAB = 50257  # GPT-2's, so a synthetic benchmark costs what real GPT
 
 class LMTask:
     name = "lm"
+    needs = TASKS["lm"]  # what the axes may split (distlm/layout/needs.py)
 
     def __init__(self):
         self.val_split: dict = {}     # name ("" for one folder, else each source's) -> val TokenBlocks

@@ -71,7 +71,7 @@ def evaluations(t) -> int:
 
 
 def evaluation_for(cfg, plan, task):
-    """``plan``: the ParallelPlan (distlm/parallel/plan.py), whether its layout lets the
+    """``plan``: the ParallelPlan (distlm/parallel/applied.py), whether its layout lets the
     training graphs evaluate."""
     t = cfg.train
     if (t.compile and cfg.model.dropout == 0 and plan.evaluates_through_training_graph

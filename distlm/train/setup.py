@@ -1,5 +1,5 @@
 """Building what the Trainer trains: the autocast dtype, the model and its parallel plan
-(the device: distlm/device.py; the compute context is the plan's: distlm/parallel/plan.py).
+(the device: distlm/device.py; the compute context is the plan's: distlm/parallel/applied.py).
 
 Kept apart from the loop so eval, bench and export can build the same pieces.
 """
@@ -30,7 +30,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, task, clo
     """``cfg``: resolved (distlm/train/resolve.py). Meta device -> split/shard -> allocate -> init -> DDP: no rank ever holds the whole
     model when it is sharded. Returns the parallel plan: (the wrapped model to train, the
     plain module inside (under PP this rank's pruned part), the step engine that drives it,
-    ...: distlm/parallel/plan.py). ``clock`` (a SetupClock) gets four laps: the compiler's
+    ...: distlm/parallel/applied.py). ``clock`` (a SetupClock) gets four laps: the compiler's
     import (when compiling), the model's structure with its parallel plans and compile
     wrappers, the weights' allocation and init, and the data-parallel wrapper (DDP's
     constructor broadcasts rank 0's weights: the first collective, so NCCL connects there)."""

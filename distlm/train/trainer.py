@@ -2,7 +2,7 @@
 (language model, classifier) is this loop; what differs is held by objects it is given:
 
     task      what is trained on what (distlm/tasks/): data, model, loss, evaluation
-    plan      what parallelize() made of the model (distlm/parallel/plan.py): the model to
+    plan      what parallelize() made of the model (distlm/parallel/applied.py): the model to
               train, the compute context, the per-batch hook, the layout's answers
     stepper   how a global batch becomes gradients (distlm/parallel/step.py): plain or pipeline
     engine    who reduces gradients and writes checkpoints (distlm/parallel/engine.py)
@@ -226,7 +226,7 @@ class Trainer:
     # ---- the step -----------------------------------------------------------------
     def compute(self):
         """The context every forward and backward runs under: the plan's (autocast, attention
-        backend, loss parallel: distlm/parallel/plan.py)."""
+        backend, loss parallel: distlm/parallel/applied.py)."""
         return self.plan.compute()
 
     def train_step(self, mark=None, sync_grads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

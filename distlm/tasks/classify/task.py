@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from distlm.config import Config, ConfigError, updated
 from distlm.data import fit_vocab
 from distlm.io import atomic_write_text, read_csv, write_csv
+from distlm.layout import TASKS
 from distlm.tasks.classify import data as cdata
 from distlm.tasks.classify.loader import ClassifyLoader, eval_batches
 from distlm.tasks.classify.metrics import confusion_text, plot_confusion, scores
@@ -46,6 +47,7 @@ def default_data_dir(cfg: Config) -> Path:
 
 class ClassifyTask:
     name = "classify"
+    needs = TASKS["classify"]  # whole rows, no LM head: data parallelism only (distlm/layout/needs.py)
 
     def __init__(self):
         self.last: dict | None = None  # the latest evaluation

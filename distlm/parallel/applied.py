@@ -1,5 +1,7 @@
 """What ``parallelize()`` returns: the model to train, the step that drives it, and all the
-step needs to know of the layout.
+step needs to know of the layout: the parallel plan as applied to this model on this rank
+(``ParallelPlan``, with its per-batch hooks). Named for that, apart from distlm/planner.py,
+which estimates layouts before anything is built (`distlm plan`).
 
 The Trainer and the tasks ask the plan, never the degrees (tests/test_layout.py fails on a
 condition in distlm/train/ or distlm/tasks/ that names one):
