@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers package, fault_harness, fixture_digest
 
 @pytest.fixture(autouse=True)
 def _tf32_flags_per_test():
@@ -38,8 +39,8 @@ SAMPLE_TEXT = [
 ]
 
 
-# "package": tests/ is one folder, so these are made once for the whole run.
-@pytest.fixture(scope="package")
+# Made once for the whole run (the test folders are not packages: "package" would mean one each).
+@pytest.fixture(scope="session")
 def text_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("text")
     for i, t in enumerate(SAMPLE_TEXT * 4):
@@ -47,13 +48,28 @@ def text_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, text_dir) -> Path:
     """A small prepared data set (GPT-2 tokenizer), shared by the tests that train."""
     from distlm.corpus.prepare import prepare
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare([str(text_dir)], out, tokenizer="gpt2", val_fraction=0.2, seed=0, workers=1, progress=False)
     return out
+
+
+# ---- the multi-process worlds (tests/helpers/worlds.py) -------------------------------
+@pytest.fixture(scope="session")
+def worlds(request, tmp_path_factory, tiny_data):
+    """One gloo world per size for the scenarios of every collected module."""
+    from helpers.worlds import Worlds, collected_modules
+    return Worlds(tmp_path_factory.mktemp("worlds"), collected_modules(request.session), tiny_data)
+
+
+def pytest_collection_modifyitems(items):
+    # The test that first asks for a world waits for its whole launch: minutes on a loaded box.
+    for item in items:
+        if "worlds" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(3600))
 
 
 # ---- where the suite's time goes ------------------------------------------------------

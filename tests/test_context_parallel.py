@@ -2,41 +2,39 @@
 
 The split itself is checked here directly (head and tail chunks, positions, the inverse,
 the balance of causal work), and so is each rank's attention over the whole row's keys, for
-cp = 2, 3, 4 and every mask rule, without processes (a GPU twin in tests/test_gpu.py). Then two launches of tests/context_worker.py train a tiny GPT
+cp = 2, 3, 4 and every mask rule, without processes (a GPU twin in tests/test_gpu.py). Then
+scenarios of the shared worlds (tests/helpers/worlds.py) train a tiny GPT
 for a few AdamW steps with clipping on the same global batches as the single-process
 reference in this process, and every step's loss (the mean over the whole global batch)
 and gradient norm must agree to fp32 rounding:
-  - the module alone, 2 ranks (tests/context_worker.py, DDP over the cp ranks): cp=2 with learned,
+  - the module alone, 2 ranks (tests/helpers/context_jobs.py, DDP over the cp ranks): cp=2 with learned,
     sinusoidal and rotary positions, and with the modern block (document masks, a window, value
     embeddings, U-net skips); with activation checkpointing and compiled blocks; a run saved at step
     2 and resumed, which must continue bit for bit; this process resumes it without the split;
-  - through the Trainer (`parallel.cp`), 4 ranks (tests/dist_worker.py): cp=4, and with the sequence
+  - through the Trainer (`parallel.cp`), 4 ranks (tests/helpers/trainer_jobs.py): cp=4, and with the sequence
     warm-up's shorter rows; cp=2 x FSDP2 with the
     modern block, saved at step 3 and resumed bit for bit, and that checkpoint continued under cp=4
     and in this process; cp=2 x DDP (HSDP: replicas of cp-sharded parameters) on real tokens with
     evaluation; cp=2 x TP2 with sequence parallelism and loss_parallel on the Llama-style block.
 Then the one-line refusals (pipeline, classification, Horovod, row lengths).
-About 90 s on the 2-core box.
 """
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-import context_worker as worker
+import helpers.context_jobs as worker
 from distlm.model.gpt import GPT
 from distlm.parallel.context import ContextParallel, shard_positions, shard_sequence, unshard_sequence
 from distlm.config import ConfigError, load_config
-from test_distributed import assert_matches, check, ckpt, run_worker, torchrun, trace, train_here
+from helpers.runs import assert_matches, ckpt, trace, train_here
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-WORKER = Path(__file__).resolve().parent / "context_worker.py"
 STEPS, SAVE_AT = 4, 2
 TOL = 1e-5
 MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=128", "model.block_size=32",
@@ -110,22 +108,23 @@ def test_one_rank_through_the_shard_path_equals_the_plain_model(variant):
     assert torch.allclose(model(xs, targets=ys, shard=shard), model(x, targets=y), rtol=1e-6, atol=1e-6)
 
 
-# ---- launches -----------------------------------------------------------------------------
-def launch(root: Path, nproc: int, jobs: list[dict]) -> dict:
-    plan, out = root / f"plan_{nproc}.json", root / f"results_{nproc}.json"
-    plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    check([torchrun("--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(plan))], root / f"launch_{nproc}.log",
-          timeout=300)
-    return json.loads(out.read_text())
-
-
+# ---- the worlds' scenarios ------------------------------------------------------------------
 def job(name: str, variant: str, cp: int) -> dict:
-    return {"name": name, "cp": cp, "model": VARIANTS[variant], "steps": STEPS}
+    return {"kind": "context", "name": name, "cp": cp, "model": VARIANTS[variant], "steps": STEPS}
+
+
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    saved = str(root / "cp2_step2")
+    two = [job("cp2_gpt2", "gpt2", cp=2), job("cp2_llama", "llama", cp=2), job("cp2_sinus", "sinus", cp=2),
+           {**job("cp2_checkpointed_compiled_llama", "llama", cp=2), "checkpoint_compile": True},
+           {**job("cp2_modern", "modern", cp=2), "save_at": SAVE_AT, "save_dir": saved},
+           {**job("cp2_modern_resumed", "modern", cp=2), "resume": saved, "resume_step": SAVE_AT}]
+    return {2: two, 4: trainer_four_jobs(root, data)}
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cp")
+def root(worlds) -> Path:
+    return worlds.root(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +133,8 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two(root) -> dict:
-    ckpt = str(root / "cp2_step2")
-    jobs = [job("cp2_gpt2", "gpt2", cp=2), job("cp2_llama", "llama", cp=2), job("cp2_sinus", "sinus", cp=2),
-            {**job("cp2_checkpointed_compiled_llama", "llama", cp=2), "checkpoint_compile": True},
-            {**job("cp2_modern", "modern", cp=2), "save_at": SAVE_AT, "save_dir": ckpt},
-            {**job("cp2_modern_resumed", "modern", cp=2), "resume": ckpt, "resume_step": SAVE_AT}]
-    return launch(root, 2, jobs)
+def two(worlds):
+    return worlds.results(__name__, 2)
 
 
 def assert_close(name: str, got: list, want: list) -> None:
@@ -186,7 +180,7 @@ def with_data(data: Path) -> list[str]:
 
 
 def trainer_job(root: Path, name: str, variant: str, *extra: str) -> dict:
-    return {"name": name, "overrides": TRAIN + TRAIN_VARIANTS[variant] + [f"log.root={root}", f"log.name={name}",
+    return {"kind": "train", "name": name, "overrides": TRAIN + TRAIN_VARIANTS[variant] + [f"log.root={root}", f"log.name={name}",
                                                                              *extra]}
 
 
@@ -209,10 +203,9 @@ def trainer_reference(root, tiny_data) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def trainer_four(root, trainer_reference, tiny_data) -> dict:
+def trainer_four_jobs(root: Path, data: Path) -> list[dict]:
     saved = ckpt(root, "t_cp2_fsdp2_modern", TRAIN_SAVE)
-    jobs = [trainer_job(root, "t_cp4_gpt2", "gpt2", "parallel.cp=4"),
+    return [trainer_job(root, "t_cp4_gpt2", "gpt2", "parallel.cp=4"),
             trainer_job(root, "t_cp4_warmup", "warmup", "parallel.cp=4"),
             trainer_job(root, "t_cp2_fsdp2_modern", "modern", "parallel.cp=2", "parallel.dp_shard=2",
                         f"train.checkpoint_every={TRAIN_SAVE}"),
@@ -221,9 +214,13 @@ def trainer_four(root, trainer_reference, tiny_data) -> dict:
                         f"train.resume={saved}"),
             trainer_job(root, "t_cp4_from_cp2_modern", "modern", "parallel.cp=4", f"train.resume={saved}"),
             trainer_job(root, "t_cp2_ddp2_data", "gpt2", "parallel.cp=2", "parallel.dp_replicate=2",
-                        *with_data(tiny_data)),
+                        *with_data(data)),
             trainer_job(root, "t_cp2_tp2_llama", "llama", "parallel.cp=2", "parallel.tp=2")]
-    return run_worker(root, 4, jobs)
+
+
+@pytest.fixture(scope="module")
+def trainer_four(worlds, trainer_reference):
+    return worlds.results(__name__, 4)
 
 
 @pytest.mark.parametrize("name, variant, data_ranks", [("t_cp4_gpt2", "gpt2", 1), ("t_cp4_warmup", "warmup", 1),

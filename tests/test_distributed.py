@@ -2,18 +2,16 @@
 
 Every parallel run trains on the same global batches as one process (the loader is a
 pure function of (seed, step, global batch)), so per-step losses and grad norms must
-match the reference to fp32 rounding. Launches are few and fat (tests/dist_worker.py runs
-several Trainer jobs per torchrun): one 4-rank launch runs FSDP2 ZeRO-3 and ZeRO-2 (with
-accumulation), HSDP 2x2, DDP and DDP with accumulation, saving at step 3; one 2-rank launch
-with --max_restarts 1 runs a crash-and-restart, fresh FSDP2/DDP/CPU-offload jobs (and both
-with bf16 gradient reduction) and
-resumes from the 4-rank checkpoints across layouts (FSDP->FSDP, FSDP->DDP, DDP->FSDP);
-the pytest process itself resumes 4-rank FSDP on one process; a two-"node" c10d launch
-goes through the real CLI. About 50 s on two cores (more when the box is loaded).
+match the reference to fp32 rounding. The runs are scenarios of the test run's shared worlds
+(tests/helpers/worlds.py): in the 4-rank world FSDP2 ZeRO-3 and ZeRO-2 (with accumulation),
+HSDP 2x2, DDP and DDP with accumulation, saving at step 3; in the 2-rank world, first, a
+crash-and-restart (torchrun --max_restarts), then fresh FSDP2/DDP/CPU-offload jobs (and both
+with bf16 gradient reduction) and resumes from the 4-rank checkpoints across layouts
+(FSDP->FSDP, FSDP->DDP, DDP->FSDP); the pytest process itself resumes 4-rank FSDP on one
+process; two-"node" c10d launches go through the real CLI.
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -26,15 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlm.config import load_config
-from distlm.train.trainer import Trainer
+from helpers.runs import assert_matches, ckpt, trace, train_here
+from helpers.worlds import WORLD, child_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_AT = 6, 3
-TOL = dict(rtol=1e-5, atol=1e-5)
 # Tiny and fast, but every part that parallelism touches: tied embeddings, learned
 # positions (a root parameter besides the tie), biases, norms, and clipping that is
 # active on every step (grad norms here are ~0.5), so a wrong global norm shows up.
@@ -50,42 +46,16 @@ def overrides(root: Path, name: str, *extra: str) -> list[str]:
     return BASE + [f"log.root={root}", f"log.name={name}", *extra]
 
 
-def ckpt(root: Path, name: str, step: int = SAVE_AT) -> Path:
-    return root / name / "checkpoints" / f"step_{step:07d}"
-
-
-def trace(run_dir: Path) -> dict[int, tuple[float, float]]:
-    """step -> (loss, grad_norm), from the run's metrics.csv."""
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): (float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(f) if r["loss"]}
-
-
-def assert_matches(run_dir: Path, reference: dict, steps=range(1, STEPS + 1)) -> None:
-    got = trace(run_dir)
-    assert sorted(got) == list(steps), f"{run_dir.name}: logged steps {sorted(got)}"
-    for s in steps:
-        for what, a, b in zip(("loss", "grad_norm"), got[s], reference[s]):
-            assert math.isclose(a, b, rel_tol=TOL["rtol"], abs_tol=TOL["atol"]), \
-                f"{run_dir.name} step {s} {what}: {a!r} vs reference {b!r}"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def child_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 def check(procs: list[subprocess.Popen], log: Path, timeout: float = 600) -> None:
     """Wait for all; on failure show the first error lines of each rank (the tail is
     mostly the other ranks reporting that a peer went away). The timeout only bounds a
-    hang: a launch of several jobs takes minutes on a loaded two-core box."""
+    hang: a launch takes minutes on a loaded two-core box."""
     outs = []
     for p in procs:
         try:
@@ -107,33 +77,38 @@ def torchrun(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run_worker(root: Path, nproc: int, jobs: list[dict], *torchrun_args: str, cli: list | None = None) -> dict:
-    """Every job in one launch; ``cli``: `distlm ARGV` commands run after them, in the same launch."""
-    plan = root / f"plan_{nproc}.json"
-    out = root / f"results_{nproc}.json"
-    plan.write_text(json.dumps({"out": str(out), "jobs": jobs, "cli": [[str(a) for a in argv] for argv in cli or []]}))
-    check([torchrun("--standalone", f"--nproc_per_node={nproc}", *torchrun_args, str(WORKER), str(plan))],
-          root / f"launch_{nproc}.log")
-    return json.loads(out.read_text())
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    def job(name: str, *extra: str, **kw) -> dict:
+        return {"kind": "train", "name": name, "overrides": overrides(root, name, *extra), **kw}
+    resume_fsdp = f"train.resume={ckpt(root, 'fsdp4', SAVE_AT)}"
+    four = [job("fsdp4", "parallel.dp_shard=4"),
+            job("fsdp4_zero2_accum", "parallel.dp_shard=4", "parallel.reshard_after_forward=false",
+                "train.micro_batch_size=2"),
+            job("hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"),
+            job("ddp4", "parallel.dp_replicate=4"),
+            job("ddp4_accum", "parallel.dp_replicate=4", "train.micro_batch_size=2")]
+    two = [
+        # First in its world, so that the restarted attempt reruns nothing else: rank 1 dies
+        # after the step-3 checkpoint, torchrun restarts both workers, resume=auto continues.
+        job("restart", "parallel.dp_shard=2", "train.resume=auto", crash_after_first_save=True, first=True),
+        job("fsdp2", "parallel.dp_shard=2"),
+        job("ddp2", "parallel.dp_replicate=2"),
+        job("fsdp4_to_fsdp2_zero2", "parallel.dp_shard=2", "parallel.reshard_after_forward=false", resume_fsdp),
+        job("fsdp4_to_ddp2", "parallel.dp_replicate=2", resume_fsdp),
+        job("ddp4_to_fsdp2", "parallel.dp_shard=2", f"train.resume={ckpt(root, 'ddp4', SAVE_AT)}"),
+        job("fsdp2_offload", "parallel.dp_shard=2", "parallel.cpu_offload=true"),
+        # Checkpoints written in the background, their collectives on a group of their own.
+        job("fsdp2_async", "parallel.dp_shard=2", "train.async_checkpoint=true"),
+        # Gradients averaged in bf16: close to the reference, but not equal to it.
+        job("ddp2_bf16", "parallel.dp_replicate=2", "parallel.grad_reduce_dtype=bf16"),
+        job("fsdp2_bf16", "parallel.dp_shard=2", "parallel.grad_reduce_dtype=bf16")]
+    return {4: four, 2: two}
 
 
-def train_here(args: list[str]) -> Trainer:
-    """One process, in this one. A single intra-op thread: on a shared, loaded box the
-    default two spin in OpenMP barriers and a step gets 30x slower (torchrun sets 1 too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = Trainer(load_config(None, args))
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
-    return trainer
-
-
-# ---- launches (module scope: each runs once, every test reads its outputs) ----------
+# ---- the worlds' results (each world runs once; every test reads its outputs) ----------
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("dist")
+def root(worlds) -> Path:
+    return worlds.root(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -144,48 +119,13 @@ def reference(root) -> dict:
 
 
 @pytest.fixture(scope="module")
-def four(root, reference) -> dict:
-    jobs = [
-        {"name": "fsdp4", "overrides": overrides(root, "fsdp4", "parallel.dp_shard=4")},
-        {"name": "fsdp4_zero2_accum", "overrides": overrides(root, "fsdp4_zero2_accum", "parallel.dp_shard=4",
-                                                             "parallel.reshard_after_forward=false",
-                                                             "train.micro_batch_size=2")},
-        {"name": "hsdp", "overrides": overrides(root, "hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2")},
-        {"name": "ddp4", "overrides": overrides(root, "ddp4", "parallel.dp_replicate=4")},
-        {"name": "ddp4_accum", "overrides": overrides(root, "ddp4_accum", "parallel.dp_replicate=4",
-                                                      "train.micro_batch_size=2")},
-    ]
-    return run_worker(root, 4, jobs)
+def four(worlds, reference):
+    return worlds.results(__name__, 4)
 
 
 @pytest.fixture(scope="module")
-def two(root, four) -> dict:
-    resume_fsdp = f"train.resume={ckpt(root, 'fsdp4')}"
-    jobs = [
-        # First, so that the restarted attempt reruns nothing else: rank 1 dies after the
-        # step-3 checkpoint, torchrun restarts both workers, resume=auto continues.
-        {"name": "restart", "crash_after_first_save": True,
-         "overrides": overrides(root, "restart", "parallel.dp_shard=2", "train.resume=auto")},
-        {"name": "fsdp2", "overrides": overrides(root, "fsdp2", "parallel.dp_shard=2")},
-        {"name": "ddp2", "overrides": overrides(root, "ddp2", "parallel.dp_replicate=2")},
-        {"name": "fsdp4_to_fsdp2_zero2", "overrides": overrides(root, "fsdp4_to_fsdp2_zero2", "parallel.dp_shard=2",
-                                                                "parallel.reshard_after_forward=false", resume_fsdp)},
-        {"name": "fsdp4_to_ddp2", "overrides": overrides(root, "fsdp4_to_ddp2", "parallel.dp_replicate=2",
-                                                         resume_fsdp)},
-        {"name": "ddp4_to_fsdp2", "overrides": overrides(root, "ddp4_to_fsdp2", "parallel.dp_shard=2",
-                                                         f"train.resume={ckpt(root, 'ddp4')}")},
-        {"name": "fsdp2_offload", "overrides": overrides(root, "fsdp2_offload", "parallel.dp_shard=2",
-                                                         "parallel.cpu_offload=true")},
-        # Checkpoints written in the background, their collectives on a group of their own.
-        {"name": "fsdp2_async", "overrides": overrides(root, "fsdp2_async", "parallel.dp_shard=2",
-                                                       "train.async_checkpoint=true")},
-        # Gradients averaged in bf16: close to the reference, but not equal to it.
-        {"name": "ddp2_bf16", "overrides": overrides(root, "ddp2_bf16", "parallel.dp_replicate=2",
-                                                     "parallel.grad_reduce_dtype=bf16")},
-        {"name": "fsdp2_bf16", "overrides": overrides(root, "fsdp2_bf16", "parallel.dp_shard=2",
-                                                      "parallel.grad_reduce_dtype=bf16")},
-    ]
-    return run_worker(root, 2, jobs, "--max_restarts=1")
+def two(worlds, reference):
+    return worlds.results(__name__, 2)
 
 
 # ---- 4 ranks -------------------------------------------------------------------------
@@ -264,7 +204,7 @@ def test_bf16_gradient_reduction_rounds_but_tracks_the_reference(root, reference
                                          ("ddp4_to_fsdp2", "ddp4")])
 def test_resume_on_another_layout_continues_the_run(root, reference, two, name, source):
     assert {r["start_step"] for r in two[name]} == {SAVE_AT}
-    assert {r["resumed_from"] for r in two[name]} == {str(ckpt(root, source))}
+    assert {r["resumed_from"] for r in two[name]} == {str(ckpt(root, source, SAVE_AT))}
     assert_matches(root / name, reference, steps=range(SAVE_AT + 1, STEPS + 1))
 
 
@@ -276,8 +216,8 @@ def test_torchrun_restart_resumes_and_matches(root, reference, two):
 
 
 def test_resume_four_ranks_to_one_process(root, reference, four):
-    t = train_here(overrides(root, "fsdp4_to_1", "train.micro_batch_size=8", f"train.resume={ckpt(root, 'fsdp4')}"))
-    assert t.resumed_from == ckpt(root, "fsdp4") and t.gpt.head.weight is t.gpt.tok_emb.weight
+    t = train_here(overrides(root, "fsdp4_to_1", "train.micro_batch_size=8", f"train.resume={ckpt(root, 'fsdp4', SAVE_AT)}"))
+    assert t.resumed_from == ckpt(root, "fsdp4", SAVE_AT) and t.gpt.head.weight is t.gpt.tok_emb.weight
     assert_matches(root / "fsdp4_to_1", reference, steps=range(SAVE_AT + 1, STEPS + 1))
 
 
@@ -362,20 +302,20 @@ def test_a_replaced_node_rejoins_and_the_run_resumes(root, reference):
     endpoint = f"127.0.0.1:{free_port()}"
     plan = root / "plan_replaced.json"
     out = root / "results_replaced.json"
-    job = {"name": "replaced", "hang_after_first_save": True,
+    job = {"kind": "train", "name": "replaced", "hang_after_first_save": True, "result": str(out),
            "overrides": overrides(root, "replaced", "parallel.dp_shard=2", "train.resume=auto")}
-    plan.write_text(json.dumps({"out": str(out), "jobs": [job]}))
+    plan.write_text(json.dumps({"scenarios": [job]}))
 
     def agent(node: int, **env) -> subprocess.Popen:
         args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                 f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=replaced",
-                f"--rdzv-conf=is_host={int(node == 0)},join_timeout=60", "--max_restarts=1", str(WORKER), str(plan)]
+                f"--rdzv-conf=is_host={int(node == 0)},join_timeout=60", "--max_restarts=1", str(WORLD), str(plan)]
         return subprocess.Popen(args, cwd=ROOT, env={**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     node0, lost = agent(0), agent(1)
     deadline = time.monotonic() + 600  # bounds a hang only: the checkpoint is the event
-    while not ckpt(root, "replaced").is_dir():  # renamed into place once complete
+    while not ckpt(root, "replaced", SAVE_AT).is_dir():  # renamed into place once complete
         assert time.monotonic() < deadline and node0.poll() is None, "no checkpoint from the two-node run"
         time.sleep(0.2)
     # torchrun starts each worker with setsid, in a process group of its own: the node is its agent and those
@@ -384,6 +324,6 @@ def test_a_replaced_node_rejoins_and_the_run_resumes(root, reference):
     lost.communicate()
     replacement = agent(1, DISTLM_TEST_NO_CRASH="1")
     check([node0, replacement], root / "launch_replaced.log")
-    results = json.loads(out.read_text())["replaced"]
+    results = json.loads(out.read_text())
     assert {r["start_step"] for r in results} == {SAVE_AT}
     assert_matches(root / "replaced", reference)

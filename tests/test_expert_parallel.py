@@ -1,20 +1,24 @@
 """Expert parallelism (parallel.ep) against one process on the same global batches, CPU and gloo.
 
-One 2-rank launch: ep=2, ep=2 with accumulation, with full activation checkpointing, with Muon
-(each expert's matrix orthogonalised whole), and ep=2 resumed from its own step-3 checkpoint; one
-4-rank launch: ep=2 x DDP 2 (also with Muon), ep=2 x FSDP2 2, ep=4. The pytest process resumes the
+In the shared 2-rank world (tests/helpers/worlds.py): ep=2, ep=2 with accumulation, with full
+activation checkpointing, with Muon (each expert's matrix orthogonalised whole), and ep=2 resumed
+from its own step-3 checkpoint; in the 4-rank world: ep=2 x DDP 2 (also with Muon), ep=2 x FSDP2 2,
+ep=4. The pytest process resumes the
 ep=2 checkpoint as one process (ep=2 -> ep=1). Losses and gradient norms match the reference to
 fp32 rounding; the experts' load and the routing biases' spread, logged per step from integer
 counts, match it exactly: the same tokens went to the same experts.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from test_distributed import ckpt, run_worker, trace, train_here, assert_matches, STEPS, SAVE_AT
+from helpers.runs import assert_matches, ckpt, trace, train_here
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
+STEPS, SAVE_AT = 6, 3
 MOE = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=128", "model.block_size=32",
        "model.vocab_size=256", "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false",
        "model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=32", "model.moe.shared=1",
@@ -37,18 +41,34 @@ def routing(run_dir) -> dict:
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in LOAD_TAGS}
 
 
+MUON = ["optim.name=muon", "optim.muon_ns_dtype=fp32", "model.tie_embeddings=false"]
+
+
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    def job(name: str, *extra: str) -> dict:
+        return {"kind": "train", "name": name, "overrides": overrides(root, name, *extra)}
+    two = [job("ep2", "parallel.ep=2"),
+           job("ep2_accum", "parallel.ep=2", "train.micro_batch_size=2"),
+           job("ep2_ac", "parallel.ep=2", "parallel.activation_checkpoint=full"),
+           job("ep2_muon", "parallel.ep=2", *MUON),
+           job("ep2_resumed", "parallel.ep=2", f"train.resume={ckpt(root, 'ep2', SAVE_AT)}")]
+    four = [job("ep2_ddp2_muon", "parallel.ep=2", "parallel.dp_replicate=2", *MUON),
+            job("ep2_fsdp2_muon", "parallel.ep=2", "parallel.dp_shard=2", *MUON),
+            job("ep2_ddp2", "parallel.ep=2", "parallel.dp_replicate=2"),
+            job("ep2_fsdp2", "parallel.ep=2", "parallel.dp_shard=2"),
+            job("ep4", "parallel.ep=4")]
+    return {2: two, 4: four}
+
+
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("ep")
+def root(worlds):
+    return worlds.root(__name__)
 
 
 @pytest.fixture(scope="module")
 def reference(root):
     train_here(overrides(root, "ref", "train.micro_batch_size=16"))
     return trace(root / "ref")
-
-
-MUON = ["optim.name=muon", "optim.muon_ns_dtype=fp32", "model.tie_embeddings=false"]
 
 
 @pytest.fixture(scope="module")
@@ -58,27 +78,13 @@ def reference_muon(root):
 
 
 @pytest.fixture(scope="module")
-def two(root, reference, reference_muon):
-    jobs = [{"name": "ep2", "overrides": overrides(root, "ep2", "parallel.ep=2")},
-            {"name": "ep2_accum", "overrides": overrides(root, "ep2_accum", "parallel.ep=2", "train.micro_batch_size=2")},
-            {"name": "ep2_ac", "overrides": overrides(root, "ep2_ac", "parallel.ep=2",
-                                                      "parallel.activation_checkpoint=full")},
-            {"name": "ep2_muon", "overrides": overrides(root, "ep2_muon", "parallel.ep=2", *MUON)},
-            {"name": "ep2_resumed", "overrides": overrides(root, "ep2_resumed", "parallel.ep=2",
-                                                           f"train.resume={ckpt(root, 'ep2')}")}]
-    return run_worker(root, 2, jobs)
+def two(worlds, reference, reference_muon):
+    return worlds.results(__name__, 2)
 
 
 @pytest.fixture(scope="module")
-def four(root, reference, reference_muon):
-    jobs = [{"name": "ep2_ddp2_muon", "overrides": overrides(root, "ep2_ddp2_muon", "parallel.ep=2",
-                                                             "parallel.dp_replicate=2", *MUON)},
-            {"name": "ep2_fsdp2_muon", "overrides": overrides(root, "ep2_fsdp2_muon", "parallel.ep=2",
-                                                              "parallel.dp_shard=2", *MUON)},
-            {"name": "ep2_ddp2", "overrides": overrides(root, "ep2_ddp2", "parallel.ep=2", "parallel.dp_replicate=2")},
-            {"name": "ep2_fsdp2", "overrides": overrides(root, "ep2_fsdp2", "parallel.ep=2", "parallel.dp_shard=2")},
-            {"name": "ep4", "overrides": overrides(root, "ep4", "parallel.ep=4")}]
-    return run_worker(root, 4, jobs)
+def four(worlds, reference, reference_muon):
+    return worlds.results(__name__, 4)
 
 
 @pytest.mark.parametrize("name", ["ep2", "ep2_accum", "ep2_ac"])
@@ -119,8 +125,8 @@ def test_resume_is_bit_exact(root, two):
 
 
 def test_resume_ep2_on_one_process(root, reference, two):
-    t = train_here(overrides(root, "ep2_to_1", "train.micro_batch_size=8", f"train.resume={ckpt(root, 'ep2')}"))
-    assert t.resumed_from == ckpt(root, "ep2")
+    t = train_here(overrides(root, "ep2_to_1", "train.micro_batch_size=8", f"train.resume={ckpt(root, 'ep2', SAVE_AT)}"))
+    assert t.resumed_from == ckpt(root, "ep2", SAVE_AT)
     assert_matches(root / "ep2_to_1", reference, steps=range(SAVE_AT + 1, STEPS + 1))
 
 

@@ -224,25 +224,17 @@ def test_compiled_blocks_match_eager(mode):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7)
 
 
-# ---- FSDP2 and DDP (one 2-rank gloo launch, tests/float8_worker.py) -------------------------------
+# ---- FSDP2 and DDP (the shared 2-rank world, tests/helpers/float8_jobs.py) ------------------------
+def world_scenarios(root, data) -> dict[int, list[dict]]:
+    from helpers.float8_jobs import JOBS
+    if not has_cpu_scaled_mm():
+        return {}
+    return {2: [{"kind": "float8", "name": name, "overrides": extra} for name, extra in JOBS.items()]}
+
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    out = tmp_path_factory.mktemp("float8-dist")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(root / "tests" / "float8_worker.py"), str(out)], cwd=root, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return out
+def two_ranks(worlds):
+    return worlds.results(__name__, 2)
 
 
 @pytest.mark.skipif(not has_cpu_scaled_mm(), reason="this torch has no torch._scaled_mm on the CPU")
@@ -256,11 +248,8 @@ def test_float8_under_fsdp2_and_ddp_matches_one_process(two_ranks, job):
     and AdamW's first steps turn such differences of small gradients into differences of up to
     2 x lr. Measured on the 2-core box: losses within 3.3e-4, the weight matrices within 0.6% of
     their norm; a weight that got no gradient would be 15% off."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import float8_worker as w
-    got = torch.load(two_ranks / f"{job}.pt", weights_only=True)
+    import helpers.float8_jobs as w
+    got = two_ranks[job]
     mode = job.split("-")[1]
     cfg, model, gpt, opt = w.build([f"train.fp8={mode}"])
     ref = w.summary(gpt, w.run_steps(cfg, model, opt))

@@ -2,7 +2,7 @@
 
 Same method as test_distributed.py: each layout trains on the same global batches as the
 single-process reference, so per-step losses and grad norms must agree to fp32 rounding.
-Launches (each runs several Trainer jobs, tests/dist_worker.py):
+Scenarios of the shared worlds (tests/helpers/worlds.py), each a Trainer job:
   - 2 ranks: TP2 plain and TP2 + SP + loss_parallel, on several model variants (the modern
     block's options among them); PP2 under every schedule (naive, gpipe, 1f1b,
     interleaved-1f1b, zero-bubble);
@@ -10,7 +10,6 @@ Launches (each runs several Trainer jobs, tests/dist_worker.py):
     PP2xDP2, TP2xPP2; a TP2xDP2 checkpoint resumed as FSDP4 and as TP2xPP2;
   - 8 ranks: DP2xTP2xPP2, once (no 8-GPU machine is lent; this is where 3-D is checked);
   - this process resumes the TP2xDP2 checkpoint as one process.
-About 4-5 minutes on two cores.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import math
 import pytest
 
 from distlm.config import ConfigError, load_config
-from test_distributed import assert_matches, ckpt, run_worker, trace, train_here
+from helpers.runs import assert_matches, ckpt, trace, train_here
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -71,16 +70,52 @@ def with_data(data: Path) -> list[str]:
 
 
 def job(root: Path, name: str, *extra: str, **kw) -> dict:
-    return {"name": name, "overrides": BASE + [f"log.root={root}", f"log.name={name}", *extra], **kw}
+    return {"kind": "train", "name": name, "overrides": BASE + [f"log.root={root}", f"log.name={name}", *extra], **kw}
 
 
 def steps(n: int = STEPS) -> range:
     return range(1, n + 1)
 
 
+# `distlm bench --pp-sweep` (the bubble against the microbatch count), run after the 2-rank jobs.
+PP_SWEEP = ["bench", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+            "model.vocab_size=128", "data.source=synthetic", "parallel.pp=2", "train.global_batch_size=8",
+            "parallel.timeout_s=60", "--pp-sweep", "1,2,4", "--warmup", "1", "--steps", "1"]
+
+
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    two = [job(root, "pp2_data", "parallel.pp=2", *with_data(data)),
+           job(root, "tp2_data", "parallel.tp=2", NO_MIDRUN_SAVE, *with_data(data)),
+           job(root, "tp2_plain", "parallel.tp=2", "parallel.sequence_parallel=false",
+               "parallel.loss_parallel=false", NO_MIDRUN_SAVE, count_collectives=True),
+           job(root, "tp2_sp", "parallel.tp=2", count_collectives=True),
+           job(root, "tp2_sp_llama", "parallel.tp=2", NO_MIDRUN_SAVE, *LLAMA),
+           job(root, "tp2_sp_sinus", "parallel.tp=2", NO_MIDRUN_SAVE, *SINUS),
+           job(root, "tp2_sp_modern", "parallel.tp=2", NO_MIDRUN_SAVE, *MODERN, count_collectives=True),
+           job(root, "pp2_1f1b_llama", "parallel.pp=2", NO_MIDRUN_SAVE, *LLAMA)]
+    two += [job(root, f"pp2_{s}", "parallel.pp=2", f"parallel.pp_schedule={s}",
+                *([] if s == "1f1b" else [NO_MIDRUN_SAVE])) for s in SCHEDULES]
+    two.append({"kind": "cli", "name": "pp_sweep",
+                "argv": PP_SWEEP + [f"log.root={root / 'sweep-runs'}", "--out-dir", str(root / "sweep")]})
+    four = [job(root, "tp4", "parallel.tp=4"),
+            job(root, "pp4_1f1b", "parallel.pp=4"),
+            job(root, "pp4_interleaved", "parallel.pp=4", "parallel.pp_schedule=interleaved-1f1b", NO_MIDRUN_SAVE),
+            job(root, "tp2_fsdp2", "parallel.tp=2", "parallel.dp_shard=2"),
+            job(root, "tp2_ddp2", "parallel.tp=2", "parallel.dp_replicate=2"),
+            job(root, "pp2_fsdp2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=gpipe"),
+            job(root, "pp2_ddp2", "parallel.pp=2", "parallel.dp_replicate=2"),
+            job(root, "tp2_pp2", "parallel.tp=2", "parallel.pp=2"),
+            # Cross-layout: the TP2xDP2 checkpoint of step 3 continues under other layouts.
+            job(root, "from_tp_to_fsdp4", "parallel.dp_shard=4", f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"),
+            job(root, "from_tp_to_tp2pp2", "parallel.tp=2", "parallel.pp=2",
+                f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}")]
+    eight = [job(root, "dp2_tp2_pp2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2")]
+    return {2: two, 4: four, 8: eight}
+
+
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("mp")
+def root(worlds) -> Path:
+    return worlds.root(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -98,49 +133,19 @@ def reference(root, tiny_data) -> dict:
     return out
 
 
-# `distlm bench --pp-sweep` (the bubble against the microbatch count), run after the 2-rank jobs.
-PP_SWEEP = ["bench", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
-            "model.vocab_size=128", "data.source=synthetic", "parallel.pp=2", "train.global_batch_size=8",
-            "parallel.timeout_s=60", "--pp-sweep", "1,2,4", "--warmup", "1", "--steps", "1"]
+@pytest.fixture(scope="module")
+def two(worlds, reference):
+    return worlds.results(__name__, 2)
 
 
 @pytest.fixture(scope="module")
-def two(root, reference, tiny_data) -> dict:
-    jobs = [job(root, "pp2_data", "parallel.pp=2", *with_data(tiny_data)),
-            job(root, "tp2_data", "parallel.tp=2", NO_MIDRUN_SAVE, *with_data(tiny_data)),
-            job(root, "tp2_plain", "parallel.tp=2", "parallel.sequence_parallel=false",
-                "parallel.loss_parallel=false", NO_MIDRUN_SAVE, count_collectives=True),
-            job(root, "tp2_sp", "parallel.tp=2", count_collectives=True),
-            job(root, "tp2_sp_llama", "parallel.tp=2", NO_MIDRUN_SAVE, *LLAMA),
-            job(root, "tp2_sp_sinus", "parallel.tp=2", NO_MIDRUN_SAVE, *SINUS),
-            job(root, "tp2_sp_modern", "parallel.tp=2", NO_MIDRUN_SAVE, *MODERN, count_collectives=True),
-            job(root, "pp2_1f1b_llama", "parallel.pp=2", NO_MIDRUN_SAVE, *LLAMA)]
-    jobs += [job(root, f"pp2_{s}", "parallel.pp=2", f"parallel.pp_schedule={s}",
-                 *([] if s == "1f1b" else [NO_MIDRUN_SAVE])) for s in SCHEDULES]
-    return run_worker(root, 2, jobs, cli=[PP_SWEEP + [f"log.root={root / 'sweep-runs'}", "--out-dir", root / "sweep"]])
+def four(worlds, reference):
+    return worlds.results(__name__, 4)
 
 
 @pytest.fixture(scope="module")
-def four(root, reference) -> dict:
-    jobs = [job(root, "tp4", "parallel.tp=4"),
-            job(root, "pp4_1f1b", "parallel.pp=4"),
-            job(root, "pp4_interleaved", "parallel.pp=4", "parallel.pp_schedule=interleaved-1f1b", NO_MIDRUN_SAVE),
-            job(root, "tp2_fsdp2", "parallel.tp=2", "parallel.dp_shard=2"),
-            job(root, "tp2_ddp2", "parallel.tp=2", "parallel.dp_replicate=2"),
-            job(root, "pp2_fsdp2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=gpipe"),
-            job(root, "pp2_ddp2", "parallel.pp=2", "parallel.dp_replicate=2"),
-            job(root, "tp2_pp2", "parallel.tp=2", "parallel.pp=2"),
-            # Cross-layout: the TP2xDP2 checkpoint of step 3 continues under other layouts.
-            job(root, "from_tp_to_fsdp4", "parallel.dp_shard=4",
-                f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"),
-            job(root, "from_tp_to_tp2pp2", "parallel.tp=2", "parallel.pp=2",
-                f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}")]
-    return run_worker(root, 4, jobs)
-
-
-@pytest.fixture(scope="module")
-def eight(root, reference) -> dict:
-    return run_worker(root, 8, [job(root, "dp2_tp2_pp2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2")])
+def eight(worlds, reference):
+    return worlds.results(__name__, 8)
 
 
 # ---- tensor parallel ------------------------------------------------------------------
@@ -346,7 +351,8 @@ def test_row_parallel_matmuls_feed_their_reduce_scatters_directly():
 
 # ---- the pipeline bubble sweep (distlm bench --pp-sweep) --------------------------------
 def test_pp_sweep_writes_table_json_and_plot(root, two):
-    """`distlm bench --pp-sweep` as torchrun runs it, inside the 2-rank launch (after its jobs)."""
+    """`distlm bench --pp-sweep` as torchrun runs it, inside the 2-rank world (after its jobs)."""
+    assert two["pp_sweep"]["rc"] == 0
     out = root / "sweep"
     rows = json.loads((out / "pp-sweep.json").read_text())
     got = {(r["schedule"], r["microbatches"]) for r in rows}

@@ -3,16 +3,14 @@
 One process: the Newton-Schulz polynomial and its output, the update rule (lr schedule
 scale, shape scale, decoupled decay, per-block q/k/v), the AdamW groups against torch's
 AdamW, the group assignment on a GPT, the default optimizer unchanged, and a bit-exact
-checkpoint round trip. One torchrun launch of 2 gloo processes (tests/muon_worker.py) runs
-DDP2, FSDP2 and TP2 (fp32 Newton-Schulz) and DDP2 in bf16; each is compared here with the
-same steps in one process, and its FSDP2 checkpoint is loaded into one process.
+checkpoint round trip. In the shared worlds (tests/helpers/worlds.py, tests/helpers/muon_jobs.py):
+DDP2, FSDP2 and TP2 (fp32 Newton-Schulz) and DDP2 in bf16 on 2 ranks, DDP4, HSDP 2x2, TP2 x FSDP2
+and TP2 x DDP2 on 4; each is compared here with the same steps in one process, and the FSDP2
+checkpoint is loaded into one process.
 """
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +23,6 @@ from distlm.optim.muon import NS_BAND, NS_COEFFS, Muon, newton_schulz, update_sc
 from distlm.optim.groups import matrix_params
 from distlm.train.optim import build_optimizer
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "muon_worker.py"
 TINY = ["model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.d_ff=48", "model.block_size=16",
         "model.vocab_size=128"]
 
@@ -364,30 +360,25 @@ def test_muon_state_round_trips_bit_exactly(tmp_path):
         assert torch.equal(pa[name], pb[name]), name
 
 
-# ---- DDP2, FSDP2, TP2 against one process (one 2-rank launch) ---------------------------
-def run_worker(out: Path, nproc: int) -> Path:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(WORKER), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
-    (out / "launch.log").write_text(proc.stdout)
-    if proc.returncode != 0:
-        errors = [line for line in proc.stdout.splitlines() if "Error" in line][:12]
-        pytest.fail(f"muon_worker exit {proc.returncode}:\n" + "\n".join(errors) + "\n...\n" + proc.stdout[-3000:])
-    return out
+# ---- DDP2, FSDP2, TP2 against one process (the 2-rank world), 2-D layouts (the 4-rank world) ----
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    from helpers.muon_jobs import LAYOUTS, LAYOUTS_4
+    two = [{"kind": "muon", "name": name, "layout": extra} for name, extra in LAYOUTS.items()]
+    two[list(LAYOUTS).index("fsdp2")]["checkpoint"] = str(root / "ckpt_fsdp2")
+    two.append({"kind": "muon", "name": "ddp2_bf16", "layout": LAYOUTS["ddp2"], "ns_dtype": "bf16"})
+    four = [{"kind": "muon", "name": name, "layout": extra} for name, extra in LAYOUTS_4.items()]
+    return {2: two, 4: four}
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> Path:
-    return run_worker(tmp_path_factory.mktemp("muon"), 2)
+def launch(worlds):
+    return worlds.results(__name__, 2)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """The same steps in this process, fp32 and bf16 Newton-Schulz."""
-    from muon_worker import build, run_steps, snapshot
+    from helpers.muon_jobs import build, run_steps, snapshot
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
@@ -407,7 +398,7 @@ def reference() -> dict:
                                                         ("fsdp2", "FSDPGPT", "DTensor"),
                                                         ("tp2", "GPT", "DTensor")])
 def test_muon_step_matches_one_process(launch, reference, name, model_type, param_type):
-    got, ref = torch.load(launch / f"{name}.pt"), reference[torch.float32]
+    got, ref = launch[name], reference[torch.float32]
     assert got["model_type"] == model_type and got["param_types"] == [param_type]
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert sorted(got["momentum"]) == sorted(ref["momentum"]) and len(ref["momentum"]) == 14
@@ -426,7 +417,7 @@ def test_muon_step_matches_one_process(launch, reference, name, model_type, para
 def test_newton_schulz_work_is_split_between_ranks(launch, name):
     """14 matrices (2 blocks x q, k, v, o, in, gate, out): each rank orthogonalises 7 of
     them in a step, never the same one twice (one process does all 14)."""
-    assert torch.load(launch / f"{name}.pt")["orthogonalised"] == [7, 7]
+    assert launch[name]["orthogonalised"] == [7, 7]
 
 
 @pytest.mark.dist
@@ -435,9 +426,9 @@ def test_ddp_bf16_keeps_replicas_identical_and_close_to_one_process(launch, refe
     fp32 bit, the bf16 cast can round it the other way, and the near-zero singular
     directions NS amplifies turn that into a few percent of the update (measured 2-5%,
     the size of bf16's own error). The replicas must still agree bit for bit."""
-    got, ref = torch.load(launch / "ddp2_bf16.pt"), reference[torch.bfloat16]
+    got, ref = launch["ddp2_bf16"], reference[torch.bfloat16]
     assert got["replicas_identical"] is True
-    assert torch.load(launch / "ddp2.pt")["replicas_identical"] is True
+    assert launch["ddp2"]["replicas_identical"] is True
     for n in ref["momentum"]:
         want = ref["params"][n] - ref["init"][n]
         rel = ((got["params"][n] - ref["init"][n] - want).norm() / want.norm()).item()
@@ -445,16 +436,16 @@ def test_ddp_bf16_keeps_replicas_identical_and_close_to_one_process(launch, refe
 
 
 @pytest.mark.dist
-def test_fsdp2_checkpoint_loads_in_one_process(launch, reference):
+def test_fsdp2_checkpoint_loads_in_one_process(worlds, launch, reference):
     """Saved sharded on 2 ranks, loaded into one plain process: the momentum buffers (and
     weights) are the full tensors the ranks held, bit for bit."""
-    from muon_worker import build
+    from helpers.muon_jobs import build
     from distlm.checkpoint import load_checkpoint
     rng = torch.get_rng_state()
     cfg, model, gpt, opt = build([], None)
-    load_checkpoint(launch / "ckpt_fsdp2" / "step_0000003", model, opt)
+    saved = launch["fsdp2"]
+    load_checkpoint(worlds.root(__name__) / "ckpt_fsdp2" / "step_0000003", model, opt)
     torch.set_rng_state(rng)
-    saved = torch.load(launch / "fsdp2.pt")
     params = dict(gpt.named_parameters())
     for n, p in saved["params"].items():
         assert torch.equal(params[n].detach(), p), n
@@ -464,15 +455,14 @@ def test_fsdp2_checkpoint_loads_in_one_process(launch, reference):
 
 
 @pytest.mark.dist
-@pytest.mark.skipif(os.environ.get("DISTLM_TEST_4RANKS") != "1", reason="4-rank launch: set DISTLM_TEST_4RANKS=1")
-def test_four_rank_layouts_match_one_process(tmp_path, reference):
+def test_four_rank_layouts_match_one_process(worlds, reference):
     """DDP4, HSDP 2x2, TP2 x FSDP2 and TP2 x DDP2 (FSDP2's replicate axis): 2-D meshes with
     _StridedShard placements, and a bucket of 14 matrices over 4 ranks (4, 4, 3, 3 each).
     Measured: within 3e-7 of one process."""
-    out = run_worker(tmp_path, 4)
+    four = worlds.results(__name__, 4)
     ref = reference[torch.float32]
     for name in ("ddp4", "hsdp2x2", "tp2_fsdp2", "tp2_ddp2"):
-        got = torch.load(out / f"{name}.pt")
+        got = four[name]
         assert sorted(got["orthogonalised"]) == [3, 3, 4, 4], name
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
         for n, p in ref["params"].items():

@@ -35,7 +35,6 @@ from distlm.train.faults import TrainingStopped
 from distlm.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "nan_worker.py"
 # A log row every 2 steps: a fault at an odd step is read one step later.
 RUN = [*fh.CLI_TINY, "train.max_steps=40", "train.checkpoint_every=0", "train.warmup_steps=2", "log.every=2"]
 OPTIMIZERS = {"adamw": [], "lion": ["optim.name=lion", "train.lr=1e-4"], "muon": ["optim.name=muon"]}
@@ -242,12 +241,16 @@ def test_max_nan_skips_still_stops_and_saves_nothing_after_the_fault(tmp_path, c
 
 
 # ---- through the command line: a pipe, and two processes ---------------------------------
-def _worker(tmp_path: Path, plan: dict, nproc: int = 1) -> subprocess.CompletedProcess:
-    path = tmp_path / f"plan-{nproc}.json"
-    path.write_text(json.dumps(plan))
-    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run([sys.executable, *launch, str(WORKER), str(path)], cwd=str(ROOT), env=fh.child_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=fh.WAIT_S)
+TWELVE = [*RUN, "train.max_steps=12", "log.every=1"]
+MUON = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
+
+
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    base = [*TWELVE, f"log.root={root}"]
+    return {2: [{"kind": "nan", "name": "ddp2", "nan_at": [5], "cuda_kernels": True,
+                 "overrides": [*base, "log.name=ddp2", "parallel.dp_replicate=2"]},
+                {"kind": "nan", "name": "fsdp2", "nan_at": [5], "cuda_kernels": True,
+                 "overrides": [*base, *MUON, "log.name=fsdp2", "parallel.dp_shard=2"]}]}
 
 
 def _rows(run: Path) -> dict:
@@ -256,15 +259,17 @@ def _rows(run: Path) -> dict:
 
 
 @pytest.mark.dist
-def test_through_a_pipe_and_on_two_processes_a_skipped_step_is_the_one_process_run(tmp_path):
-    """One launch of one process: an AdamW run with NaN gradients at steps 5 and 9 and
-    max_nan_skips=1 (warning for 5 on stdout, exit 3 naming 9), then the references of the
-    two-process runs. One torchrun launch of 2 processes: DDP with AdamW, FSDP2 with Muon,
-    each with a NaN gradient at step 5 only: the same losses and norms as one process."""
-    base = [*RUN, "train.max_steps=12", "log.every=1", f"log.root={tmp_path}"]
-    muon = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
-    stop = [*base, "log.name=stop", "train.max_nan_skips=1", "train.checkpoint_every=4"]
-    one = _worker(tmp_path, {"nan_at": [5, 9], "cuda_kernels": True, "cli": True, "jobs": [stop]})
+def test_through_a_pipe_and_on_two_processes_a_skipped_step_is_the_one_process_run(tmp_path, worlds):
+    """One process through the command line, read through a pipe: an AdamW run with NaN
+    gradients at steps 5 and 9 and max_nan_skips=1 (warning for 5 on stdout, exit 3 naming 9).
+    In the 2-rank world: DDP with AdamW, FSDP2 with Muon, each with a NaN gradient at step 5
+    only: the same losses and norms as one process (here, with the same poison)."""
+    from helpers import nan_jobs
+    stop = [*TWELVE, f"log.root={tmp_path}", "log.name=stop", "train.max_nan_skips=1", "train.checkpoint_every=4"]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"nan_at": [5, 9], "cuda_kernels": True, "jobs": [stop]}))
+    one = subprocess.run([sys.executable, nan_jobs.__file__, str(plan)], cwd=str(ROOT), env=fh.child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=fh.WAIT_S)
     assert one.returncode == 3, one.stdout + one.stderr
     warnings = [line for line in one.stdout.splitlines() if line.startswith("warning: non-finite")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: non-finite values at step 5: loss "), one.stdout
@@ -272,16 +277,14 @@ def test_through_a_pipe_and_on_two_processes_a_skipped_step_is_the_one_process_r
     assert err[-1].startswith("error: non-finite values at step 9: ") and "max_nan_skips=1" in err[-1], one.stderr
     assert "step_0000008 (before the fault) is kept" in err[-1]
 
-    refs = _worker(tmp_path, {"nan_at": [5], "cuda_kernels": True,
-                              "jobs": [[*base, "log.name=ref-adamw"], [*base, *muon, "log.name=ref-muon"]]})
-    assert refs.returncode == 0, refs.stdout + refs.stderr
-    two = _worker(tmp_path, {"nan_at": [5], "cuda_kernels": True,
-                             "jobs": [[*base, "log.name=ddp2", "parallel.dp_replicate=2", "parallel.timeout_s=60"],
-                                      [*base, *muon, "log.name=fsdp2", "parallel.dp_shard=2"]]}, nproc=2)
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert two.stdout.count("warning: non-finite values at step 5: ") == 2, two.stdout  # rank 0, one per run
+    for name, extra in (("ref-adamw", []), ("ref-muon", MUON)):
+        nan_jobs.run({"nan_at": [5], "cuda_kernels": True,
+                      "overrides": [*TWELVE, *extra, f"log.root={tmp_path}", f"log.name={name}"]})
+    two, root = worlds.results(__name__, 2), worlds.root(__name__)
     for run, ref in (("ddp2", "ref-adamw"), ("fsdp2", "ref-muon")):
-        got, want = _rows(tmp_path / run), _rows(tmp_path / ref)
+        assert two[run]["nan_skips"] == 1
+        assert two.stdout(run).count("warning: non-finite values at step 5: ") == 1, two.stdout(run)  # rank 0's
+        got, want = _rows(root / run), _rows(tmp_path / ref)
         assert sorted(got) == sorted(want) == list(range(1, 13)), run
         assert math.isnan(got[5][1]) and math.isnan(want[5][1])
         for s in got:

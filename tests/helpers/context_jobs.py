@@ -1,23 +1,15 @@
-"""Context parallelism on a GPT, several layouts in one torchrun launch (tests/test_context_parallel.py).
+"""Context parallelism on a GPT: scenarios of kind "context" for tests/helpers/world.py.
 
-    torchrun --standalone --nproc_per_node 2 tests/context_worker.py PLAN.json
-
-PLAN.json: {"out": "results.json", "jobs": [{"name", "cp", "model", "steps", ...}]}, cp the
-world size. The module alone, without the Trainer: a job builds the model on the meta
-device, allocates and initialises it (the whole-tensor draw, so it starts from the
-single-process weights), wraps it in DDP over the cp ranks, and trains ``steps`` AdamW
-steps on the global batches of ``global_batch`` (the same function the single-process
-reference calls), each rank on its part of every row. ``checkpoint_compile``: activation
-checkpointing and compiled blocks. A job may save model and optimizer (DCP) after step
-``save_at``, or start from ``resume``. Rank 0 writes every job's per-step (loss, grad norm)
-to ``out``.
+A job is {"kind": "context", "name", "cp", "model", "steps", ...}, cp the world size. The
+module alone, without the Trainer: a job builds the model on the meta device, allocates and
+initialises it (the whole-tensor draw, so it starts from the single-process weights), wraps it
+in DDP over the cp ranks, and trains ``steps`` AdamW steps on the global batches of
+``global_batch`` (the same function the single-process reference calls), each rank on its part
+of every row. ``checkpoint_compile``: activation checkpointing and compiled blocks. A job may
+save model and optimizer (DCP) after step ``save_at``, or start from ``resume``. The result is
+the job's per-step (loss, grad norm).
 """
 from __future__ import annotations
-
-import datetime
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -136,23 +128,11 @@ def _load(path: str, model, opt) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def main() -> None:
-    plan = json.loads(Path(sys.argv[1]).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for job in plan["jobs"]:
-        try:
-            results[job["name"]] = {"trace": run_job(job)}
-        except Exception as e:  # a refusal the test expects, or a failure it reports
-            if not job.get("expect_error"):
-                raise
-            results[job["name"]] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
-    if dist.get_rank() == 0:
-        Path(plan["out"]).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+def run(job: dict) -> dict:
+    """A scenario of kind "context": its per-step (loss, grad norm), or the refusal it expected."""
+    try:
+        return {"trace": run_job(job)}
+    except Exception as e:  # a refusal the test expects, or a failure it reports
+        if not job.get("expect_error"):
+            raise
+        return {"error": f"{type(e).__name__}: {e}"}

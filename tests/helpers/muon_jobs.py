@@ -1,19 +1,14 @@
-"""Muon under DDP2, FSDP2 and TP2 in one torchrun launch (tests/test_muon.py).
-
-    torchrun --standalone --nproc_per_node 2 tests/muon_worker.py OUT_DIR
-    torchrun --standalone --nproc_per_node 4 tests/muon_worker.py OUT_DIR   # DDP4, HSDP, TP x FSDP2, TP x DDP
+"""Muon under data and tensor parallel layouts: scenarios of kind "muon" for tests/helpers/world.py.
 
 Each job builds the model through distlm.parallel.parallelize (meta device, per-name
 init, so every layout starts from the same weights), takes a few Muon steps on fixed
-global batches, and rank 0 writes the full parameters and momentum buffers, with how
-many matrices each rank orthogonalised, to OUT_DIR/JOB.pt. The FSDP2 job also saves a
-DCP checkpoint that the test loads into one process. ``run_steps`` is also the
-single-process reference the test computes.
+global batches, and returns the full parameters and momentum buffers, with how many
+matrices each rank orthogonalised. A job may also save a DCP checkpoint that the test loads
+into one process. ``build`` and ``run_steps`` are also the single-process reference the test
+computes.
 """
 from __future__ import annotations
 
-import datetime
-import sys
 from pathlib import Path
 
 import torch
@@ -37,8 +32,6 @@ MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=96
          "optim.muon_weight_decay=0.1", "train.global_batch_size=8", "train.micro_batch_size=2",
          "parallel.timeout_s=60", "parallel.loss_parallel=false"]
 LAYOUTS = {"ddp2": ["parallel.dp_replicate=2"], "fsdp2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"]}
-# 4 ranks: run by test_muon.py only when DISTLM_TEST_4RANKS=1 (on 2 cores a 4-rank launch
-# costs more than it adds to every run of the suite).
 LAYOUTS_4 = {"ddp4": ["parallel.dp_replicate=4"], "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
              "tp2_fsdp2": ["parallel.tp=2", "parallel.dp_shard=2"], "tp2_ddp2": ["parallel.tp=2", "parallel.dp_replicate=2"]}
 
@@ -103,42 +96,29 @@ def snapshot(gpt, opt) -> dict:
     return {"params": params, "momentum": momentum}
 
 
-def main(out: str) -> None:
+def run(job: dict) -> dict:
+    """A scenario of kind "muon": {"layout": [overrides], "ns_dtype": "bf16" or "fp32",
+    "checkpoint": a folder to save the end state in, or absent}. The result: full parameters
+    and momentum buffers, losses, and how many matrices each rank orthogonalised."""
     import torch.distributed as dist
     from distlm.checkpoint import save_checkpoint
-    out_dir = Path(out)
-    if not dist.is_initialized():  # the world size chooses the jobs; init_distributed then reuses the group
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    if dist.get_world_size() == 4:
-        jobs = [(name, extra, torch.float32) for name, extra in LAYOUTS_4.items()]
-    else:
-        jobs = [(name, extra, torch.float32) for name, extra in LAYOUTS.items()]
-        jobs.append(("ddp2_bf16", LAYOUTS["ddp2"], torch.bfloat16))  # the default Newton-Schulz precision
-    for name, extra, ns_dtype in jobs:
-        cfg = load_config(None, MODEL + extra)
-        dims = init_distributed(cfg.parallel, "cpu")
-        cfg, model, gpt, opt = build(extra, dims, ns_dtype)
-        losses = run_steps(cfg, model, opt, dims)
-        snap = snapshot(gpt, opt)
-        counts = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, opt.last_orthogonalised)
-        model_type = type(model).__name__
-        same = None
-        if model_type == "DistributedDataParallel":
-            # Each rank updates its own replica from the shared updates: they must stay bit-identical.
-            replicas = [None] * dist.get_world_size()
-            dist.all_gather_object(replicas, {n: p.detach().clone() for n, p in gpt.named_parameters()})
-            same = all(torch.equal(r[n], replicas[0][n]) for r in replicas for n in replicas[0])
-        if name == "fsdp2":
-            save_checkpoint(out_dir / "ckpt_fsdp2", STEPS, model, opt,
-                            {"config": cfg.to_dict(), "trainer": {"step": STEPS}})
-        if dist.get_rank() == 0:
-            torch.save({**snap, "losses": losses, "orthogonalised": counts, "model_type": model_type,
-                        "replicas_identical": same,
-                        "param_types": sorted({type(p).__name__ for p in gpt.parameters()})},
-                       out_dir / f"{name}.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    extra = job["layout"]
+    ns_dtype = torch.bfloat16 if job.get("ns_dtype") == "bf16" else torch.float32
+    cfg = load_config(None, MODEL + extra)
+    dims = init_distributed(cfg.parallel, "cpu")
+    cfg, model, gpt, opt = build(extra, dims, ns_dtype)
+    losses = run_steps(cfg, model, opt, dims)
+    snap = snapshot(gpt, opt)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, opt.last_orthogonalised)
+    model_type = type(model).__name__
+    same = None
+    if model_type == "DistributedDataParallel":
+        # Each rank updates its own replica from the shared updates: they must stay bit-identical.
+        replicas = [None] * dist.get_world_size()
+        dist.all_gather_object(replicas, {n: p.detach().clone() for n, p in gpt.named_parameters()})
+        same = all(torch.equal(r[n], replicas[0][n]) for r in replicas for n in replicas[0])
+    if job.get("checkpoint"):
+        save_checkpoint(Path(job["checkpoint"]), STEPS, model, opt, {"config": cfg.to_dict(), "trainer": {"step": STEPS}})
+    return {**snap, "losses": losses, "orthogonalised": counts, "model_type": model_type, "replicas_identical": same,
+            "param_types": sorted({type(p).__name__ for p in gpt.parameters()})}

@@ -1,18 +1,13 @@
-"""Float8 layers under FSDP2 and DDP in one torchrun launch of 2 gloo processes (tests/test_float8.py).
-
-    torchrun --standalone --nproc_per_node 2 tests/float8_worker.py OUT_DIR
+"""Float8 layers under FSDP2 and DDP: scenarios of kind "float8" for tests/helpers/world.py.
 
 Each job builds the model through distlm.parallel.parallelize with train.fp8 set (so the swap
 happens where a training run does it, before the parallel wrappers), takes a few AdamW steps on
-fixed global batches with the float8 matmuls running on torch._scaled_mm's CPU kernel, and rank 0
-writes the full parameters, the losses, the number of float8 layers and the state dict's keys
-and dtypes to OUT_DIR/JOB.pt. ``build`` and ``run_steps`` (tests/muon_worker.py's) are also
-the single-process reference.
+fixed global batches with the float8 matmuls running on torch._scaled_mm's CPU kernel, and
+returns the full parameters, the losses, the number of float8 layers and the state dict's keys
+and dtypes. ``build`` and ``run_steps`` (tests/helpers/muon_jobs.py's) are also the
+single-process reference.
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 
@@ -23,7 +18,7 @@ from distlm.parallel import ParallelDims, init_distributed, parallelize
 from distlm.train.optim import build_optimizer
 
 # The same fixed global batches and the same loss mean over the data ranks as the Muon tests.
-from muon_worker import full, run_steps  # noqa: E402  (tests/ is on sys.path)
+from helpers.muon_jobs import full, run_steps
 
 # Widths that are multiples of 16 (float8 tiles); each rank's 4 x 16 tokens are too.
 # AdamW's eps is raised to 1e-5: the k-projection's bias gets no gradient but rounding noise
@@ -59,16 +54,10 @@ def summary(gpt, losses: list[float]) -> dict:
             "state_dict": {k: str(v.dtype) for k, v in gpt.state_dict().items()}}
 
 
-def main(out: str) -> None:
-    out_dir = Path(out)
-    for name, overrides in JOBS.items():
-        cfg = load_config(None, MODEL + overrides)
-        dims = init_distributed(cfg.parallel, "cpu")
-        cfg, model, gpt, opt = build(overrides, dims)
-        result = summary(gpt, run_steps(cfg, model, opt, dims))
-        if dims.is_main:
-            torch.save(result, out_dir / f"{name}.pt")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+def run(job: dict) -> dict:
+    """A scenario of kind "float8": the layout's overrides in "overrides"; the result is
+    ``summary``'s."""
+    cfg = load_config(None, MODEL + job["overrides"])
+    dims = init_distributed(cfg.parallel, "cpu")
+    cfg, model, gpt, opt = build(job["overrides"], dims)
+    return summary(gpt, run_steps(cfg, model, opt, dims))

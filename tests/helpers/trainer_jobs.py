@@ -1,21 +1,14 @@
-"""Runs several training jobs in one torchrun launch, so the tests pay the start-up once.
+"""Scenarios of kind "train" for tests/helpers/world.py: one ``distlm train`` job each.
 
-    torchrun --standalone --nproc_per_node 4 tests/dist_worker.py PLAN.json
-
-PLAN.json: {"out": "results.json", "jobs": [{"name": "fsdp4", "overrides": [...]}, ...]}; a job with
-"count_collectives": true also records the collectives of one update (TP only); "cli": [argv, ...]
-runs `distlm ARGV` after the jobs.
-Each job is ``distlm train`` with those overrides (the same Trainer the CLI builds). Losses
-and grad norms land in each run's metrics.csv; rank 0 writes what only a live process can
-see (weights at init, tying, FSDP units, group timeouts) to ``out``.
+A job is {"kind": "train", "name": ..., "overrides": [...]}, the same Trainer the CLI builds;
+"count_collectives": true also records the collectives of one update (TP only). Losses and
+grad norms land in each run's metrics.csv; the result is what only a live process can see
+(weights at init, tying, FSDP units, group timeouts), one entry per rank.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlm.config import load_config
-from distlm.model.loss import lm_loss
 from distlm.parallel import ParallelDims
 from distlm.parallel.grad import clip_grad_norm
 from distlm.optim.groups import one_mesh_per_group
@@ -155,47 +147,28 @@ def _crash_after_save(trainer: Trainer, hang: bool = False) -> None:
     trainer.save = save_then_crash
 
 
-def main(plan_path: str) -> None:
-    plan = json.loads(Path(plan_path).read_text())
-    results = {}
-    for job in plan["jobs"]:
-        t0 = time.perf_counter()
-        cfg = load_config(None, job["overrides"])
-        trainer = Trainer(cfg)
-        if job.get("crash_after_first_save") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-            _crash_after_save(trainer)
-        # A replacement node's agent starts its count at 0 too: DISTLM_TEST_NO_CRASH marks it.
-        if job.get("hang_after_first_save") and os.environ.get("DISTLM_TEST_NO_CRASH") != "1" \
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-            _crash_after_save(trainer, hang=True)
-        info = {"start_step": trainer.step, "resumed_from": str(trainer.resumed_from or ""),
-                "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
-        if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
-            info.update(inspect_model(trainer))
-            if (trainer.dims.dp_shard > 1 or trainer.dims.tp > 1) and trainer.stepper.parts is None:
-                info["grad_norms"] = norm_paths(trainer)
-            # Three more forward/backward passes under dispatch modes: only for the jobs whose
-            # collectives a test counts (a few seconds each on two cores).
-            if job.get("count_collectives") and trainer.dims.tp > 1 and trainer.stepper.parts is None:
-                info["update_collectives"] = update_collectives(trainer)
-        trainer.train()
-        info["tied_after_training"] = _tied(trainer.gpt)
-        info["seconds"] = round(time.perf_counter() - t0, 2)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, info)
-        results[job["name"]] = gathered
-    if dist.get_rank() == 0:
-        Path(plan["out"]).write_text(json.dumps(results, indent=1))
-    # Then commands as `distlm ...` runs them under torchrun, in this launch instead of one of
-    # their own. The CLI takes the process group down when it returns, so these come last.
-    from distlm.cli import main as cli
-    for argv in plan.get("cli", []):
-        rc = cli(argv)
-        if rc != 0:
-            sys.exit(f"distlm {' '.join(argv)} exited {rc}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+def run(job: dict) -> list[dict]:
+    """One ``distlm train`` job (a scenario of kind "train"): what each rank saw, rank by rank."""
+    cfg = load_config(None, job["overrides"])
+    trainer = Trainer(cfg)
+    if job.get("crash_after_first_save") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        _crash_after_save(trainer)
+    # A replacement node's agent starts its count at 0 too: DISTLM_TEST_NO_CRASH marks it.
+    if job.get("hang_after_first_save") and os.environ.get("DISTLM_TEST_NO_CRASH") != "1" \
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        _crash_after_save(trainer, hang=True)
+    info = {"start_step": trainer.step, "resumed_from": str(trainer.resumed_from or ""),
+            "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
+    if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
+        info.update(inspect_model(trainer))
+        if (trainer.dims.dp_shard > 1 or trainer.dims.tp > 1) and trainer.stepper.parts is None:
+            info["grad_norms"] = norm_paths(trainer)
+        # Three more forward/backward passes under dispatch modes: only for the jobs whose
+        # collectives a test counts (a few seconds each on two cores).
+        if job.get("count_collectives") and trainer.dims.tp > 1 and trainer.stepper.parts is None:
+            info["update_collectives"] = update_collectives(trainer)
+    trainer.train()
+    info["tied_after_training"] = _tied(trainer.gpt)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, info)
+    return gathered
