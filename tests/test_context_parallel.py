@@ -203,19 +203,26 @@ def trainer_reference(root, tiny_data) -> dict:
     return out
 
 
+def whole_batch(data_ranks: int = 1) -> str:
+    """The local batch in one micro-batch: each micro-batch costs every block's K/V gathers (and
+    TP's collectives), gloo round trips that 4 ranks on 2 cores wait for in turn."""
+    return f"train.micro_batch_size={8 // data_ranks}"
+
+
 def trainer_four_jobs(root: Path, data: Path) -> list[dict]:
     saved = ckpt(root, "t_cp2_fsdp2_modern", TRAIN_SAVE)
-    return [trainer_job(root, "t_cp4_gpt2", "gpt2", "parallel.cp=4"),
-            trainer_job(root, "t_cp4_warmup", "warmup", "parallel.cp=4"),
-            trainer_job(root, "t_cp2_fsdp2_modern", "modern", "parallel.cp=2", "parallel.dp_shard=2",
+    return [trainer_job(root, "t_cp4_gpt2", "gpt2", "parallel.cp=4", whole_batch()),
+            trainer_job(root, "t_cp4_warmup", "warmup", "parallel.cp=4", whole_batch()),
+            trainer_job(root, "t_cp2_fsdp2_modern", "modern", "parallel.cp=2", "parallel.dp_shard=2", whole_batch(2),
                         f"train.checkpoint_every={TRAIN_SAVE}"),
             # the same run from its step-3 checkpoint, and that checkpoint continued under cp=4
             trainer_job(root, "t_cp2_fsdp2_modern_resumed", "modern", "parallel.cp=2", "parallel.dp_shard=2",
-                        f"train.resume={saved}"),
-            trainer_job(root, "t_cp4_from_cp2_modern", "modern", "parallel.cp=4", f"train.resume={saved}"),
+                        whole_batch(2), f"train.resume={saved}"),
+            trainer_job(root, "t_cp4_from_cp2_modern", "modern", "parallel.cp=4", whole_batch(), f"train.resume={saved}"),
+            # real tokens: the runs' micro-batch sets the validation set (train.eval_batches of them)
             trainer_job(root, "t_cp2_ddp2_data", "gpt2", "parallel.cp=2", "parallel.dp_replicate=2",
                         *with_data(data)),
-            trainer_job(root, "t_cp2_tp2_llama", "llama", "parallel.cp=2", "parallel.tp=2")]
+            trainer_job(root, "t_cp2_tp2_llama", "llama", "parallel.cp=2", "parallel.tp=2", whole_batch())]
 
 
 @pytest.fixture(scope="module")

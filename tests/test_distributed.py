@@ -24,28 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.runs import assert_matches, ckpt, trace, train_here
+from helpers.runs import SAVE_AT, STEPS, assert_matches, ckpt, trace, train_here
+from helpers.runs import dp_overrides as overrides
 from helpers.worlds import WORLD, child_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, SAVE_AT = 6, 3
-# Tiny and fast, but every part that parallelism touches: tied embeddings, learned
-# positions (a root parameter besides the tie), biases, norms, and clipping that is
-# active on every step (grad norms here are ~0.5), so a wrong global norm shows up.
-BASE = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=256", "model.block_size=32",
-        "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
-        f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=4",
-        "train.lr=3e-2", "train.min_lr=3e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
-        "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
-        "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
-
-
-def overrides(root: Path, name: str, *extra: str) -> list[str]:
-    return BASE + [f"log.root={root}", f"log.name={name}", *extra]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -47,11 +47,14 @@ MUON = ["optim.name=muon", "optim.muon_ns_dtype=fp32", "model.tie_embeddings=fal
 def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
     def job(name: str, *extra: str) -> dict:
         return {"kind": "train", "name": name, "overrides": overrides(root, name, *extra)}
-    two = [job("ep2", "parallel.ep=2"),
+    # One micro-batch per rank (the local batch of 8 rows) but where accumulation is the point:
+    # each micro-batch costs every MoE layer's all-to-alls.
+    whole = "train.micro_batch_size=8"
+    two = [job("ep2", "parallel.ep=2", whole),
            job("ep2_accum", "parallel.ep=2", "train.micro_batch_size=2"),
-           job("ep2_ac", "parallel.ep=2", "parallel.activation_checkpoint=full"),
-           job("ep2_muon", "parallel.ep=2", *MUON),
-           job("ep2_resumed", "parallel.ep=2", f"train.resume={ckpt(root, 'ep2', SAVE_AT)}")]
+           job("ep2_ac", "parallel.ep=2", "parallel.activation_checkpoint=full", whole),
+           job("ep2_muon", "parallel.ep=2", *MUON, whole),
+           job("ep2_resumed", "parallel.ep=2", whole, f"train.resume={ckpt(root, 'ep2', SAVE_AT)}")]
     four = [job("ep2_ddp2_muon", "parallel.ep=2", "parallel.dp_replicate=2", *MUON),
             job("ep2_fsdp2_muon", "parallel.ep=2", "parallel.dp_shard=2", *MUON),
             job("ep2_ddp2", "parallel.ep=2", "parallel.dp_replicate=2"),

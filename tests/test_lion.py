@@ -82,27 +82,35 @@ def test_lion_resumes_bit_exactly(tmp_path):
     assert any(".exp_avg" in k for k in digests) and not any("exp_avg_sq" in k for k in digests)
 
 
-# ---- two ranks, across layouts ------------------------------------------------------
+# ---- two ranks, across layouts (the shared 2-rank world, tests/helpers/worlds.py) ----------
+LION_DP = [*LION, "model.position=learned"]
+
+
+def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
+    from helpers.runs import SAVE_AT, ckpt, dp_overrides
+    fsdp = f"train.resume={ckpt(root, 'fsdp2', SAVE_AT)}"
+    return {2: [{"kind": "train", "name": "fsdp2", "overrides": dp_overrides(root, "fsdp2", *LION_DP, "parallel.dp_shard=2")},
+                {"kind": "train", "name": "ddp2", "overrides": dp_overrides(root, "ddp2", *LION_DP, "parallel.dp_replicate=2")},
+                {"kind": "train", "name": "fsdp2_to_ddp2",
+                 "overrides": dp_overrides(root, "fsdp2_to_ddp2", *LION_DP, "parallel.dp_replicate=2", fsdp)}]}
+
+
 @pytest.mark.dist
-def test_lion_on_fsdp2_and_ddp2_and_across_layouts_matches_one_process(tmp_path):
+def test_lion_on_fsdp2_and_ddp2_and_across_layouts_matches_one_process(worlds):
     """FSDP2 and DDP with Lion against one process; DDP2 resumed from FSDP2's step-3
     checkpoint (its state resharded into replicas), and one process resumed from it too."""
-    from test_distributed import STEPS, ckpt, overrides, run_worker, trace, train_here
-    lion = [*LION, "model.position=learned"]
-    reference = trace(train_here(overrides(tmp_path, "ref", *lion, "train.micro_batch_size=16")).run_dir)
-    fsdp = f"train.resume={ckpt(tmp_path, 'fsdp2')}"
-    jobs = [{"name": "fsdp2", "overrides": overrides(tmp_path, "fsdp2", *lion, "parallel.dp_shard=2")},
-            {"name": "ddp2", "overrides": overrides(tmp_path, "ddp2", *lion, "parallel.dp_replicate=2")},
-            {"name": "fsdp2_to_ddp2", "overrides": overrides(tmp_path, "fsdp2_to_ddp2", *lion,
-                                                             "parallel.dp_replicate=2", fsdp)}]
-    runs = run_worker(tmp_path, 2, jobs)
-    one = train_here(overrides(tmp_path, "fsdp2_to_1", *lion, "train.micro_batch_size=8", fsdp))
-    assert {r["resumed_from"] for r in runs["fsdp2_to_ddp2"]} == {str(ckpt(tmp_path, "fsdp2"))}
-    assert one.resumed_from == ckpt(tmp_path, "fsdp2")
+    from helpers.runs import SAVE_AT, STEPS, ckpt, dp_overrides, trace, train_here
+    root = worlds.root(__name__)
+    reference = trace(train_here(dp_overrides(root, "ref", *LION_DP, "train.micro_batch_size=16")).run_dir)
+    runs = worlds.results(__name__, 2)
+    fsdp = ckpt(root, "fsdp2", SAVE_AT)
+    one = train_here(dp_overrides(root, "fsdp2_to_1", *LION_DP, "train.micro_batch_size=8", f"train.resume={fsdp}"))
+    assert {r["resumed_from"] for r in runs["fsdp2_to_ddp2"]} == {str(fsdp)}
+    assert one.resumed_from == fsdp
     # Lion moves every element by +-lr: a sign that rounding flipped would show as a jump,
     # so the traces are held to the same fp32 tolerance as AdamW's (tests/test_distributed.py).
     for name, first in (("fsdp2", 1), ("ddp2", 1), ("fsdp2_to_ddp2", 4), ("fsdp2_to_1", 4)):
-        got = trace(tmp_path / name)
+        got = trace(root / name)
         assert sorted(got) == list(range(first, STEPS + 1)), name
         for s in got:
             for a, b in zip(got[s], reference[s]):

@@ -55,6 +55,15 @@ SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 # not change what follows) is kept for one job of each layout and dropped for the variants
 # of a layout already covered: each save is a collective DCP write of a second or two.
 NO_MIDRUN_SAVE = "train.checkpoint_every=0"
+# Tensor parallelism acts inside each block, and on the CPU its cost is the DTensor dispatch and the
+# gloo collectives of every block and micro-batch (4 ranks on 2 cores wait on each other's turn):
+# its jobs take two blocks (one per stage where a pipeline splits them) and, without a pipeline,
+# the whole local batch in one micro-batch (micro-batches=16 // data ranks).
+TP = ["model.n_layer=2"]
+
+
+def whole_batch(data_ranks: int = 1) -> str:
+    return f"train.micro_batch_size={16 // data_ranks}"
 
 
 def with_data(data: Path) -> list[str]:
@@ -85,31 +94,32 @@ PP_SWEEP = ["bench", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "m
 
 def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
     two = [job(root, "pp2_data", "parallel.pp=2", *with_data(data)),
-           job(root, "tp2_data", "parallel.tp=2", NO_MIDRUN_SAVE, *with_data(data)),
+           job(root, "tp2_data", "parallel.tp=2", NO_MIDRUN_SAVE, *TP, *with_data(data)),
            job(root, "tp2_plain", "parallel.tp=2", "parallel.sequence_parallel=false",
-               "parallel.loss_parallel=false", NO_MIDRUN_SAVE, count_collectives=True),
-           job(root, "tp2_sp", "parallel.tp=2", count_collectives=True),
-           job(root, "tp2_sp_llama", "parallel.tp=2", NO_MIDRUN_SAVE, *LLAMA),
-           job(root, "tp2_sp_sinus", "parallel.tp=2", NO_MIDRUN_SAVE, *SINUS),
-           job(root, "tp2_sp_modern", "parallel.tp=2", NO_MIDRUN_SAVE, *MODERN, count_collectives=True),
+               "parallel.loss_parallel=false", NO_MIDRUN_SAVE, *TP, whole_batch(), count_collectives=True),
+           job(root, "tp2_sp", "parallel.tp=2", *TP, whole_batch(), count_collectives=True),
+           job(root, "tp2_sp_llama", "parallel.tp=2", NO_MIDRUN_SAVE, *TP, whole_batch(), *LLAMA),
+           job(root, "tp2_sp_sinus", "parallel.tp=2", NO_MIDRUN_SAVE, *TP, whole_batch(), *SINUS),
+           job(root, "tp2_sp_modern", "parallel.tp=2", NO_MIDRUN_SAVE, *TP, whole_batch(), *MODERN,
+               count_collectives=True),
            job(root, "pp2_1f1b_llama", "parallel.pp=2", NO_MIDRUN_SAVE, *LLAMA)]
     two += [job(root, f"pp2_{s}", "parallel.pp=2", f"parallel.pp_schedule={s}",
                 *([] if s == "1f1b" else [NO_MIDRUN_SAVE])) for s in SCHEDULES]
     two.append({"kind": "cli", "name": "pp_sweep",
                 "argv": PP_SWEEP + [f"log.root={root / 'sweep-runs'}", "--out-dir", str(root / "sweep")]})
-    four = [job(root, "tp4", "parallel.tp=4"),
+    four = [job(root, "tp4", "parallel.tp=4", *TP, whole_batch()),
             job(root, "pp4_1f1b", "parallel.pp=4"),
             job(root, "pp4_interleaved", "parallel.pp=4", "parallel.pp_schedule=interleaved-1f1b", NO_MIDRUN_SAVE),
-            job(root, "tp2_fsdp2", "parallel.tp=2", "parallel.dp_shard=2"),
-            job(root, "tp2_ddp2", "parallel.tp=2", "parallel.dp_replicate=2"),
+            job(root, "tp2_fsdp2", "parallel.tp=2", "parallel.dp_shard=2", *TP, whole_batch(2)),
+            job(root, "tp2_ddp2", "parallel.tp=2", "parallel.dp_replicate=2", *TP, whole_batch(2)),
             job(root, "pp2_fsdp2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=gpipe"),
             job(root, "pp2_ddp2", "parallel.pp=2", "parallel.dp_replicate=2"),
-            job(root, "tp2_pp2", "parallel.tp=2", "parallel.pp=2"),
+            job(root, "tp2_pp2", "parallel.tp=2", "parallel.pp=2", *TP),
             # Cross-layout: the TP2xDP2 checkpoint of step 3 continues under other layouts.
-            job(root, "from_tp_to_fsdp4", "parallel.dp_shard=4", f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"),
-            job(root, "from_tp_to_tp2pp2", "parallel.tp=2", "parallel.pp=2",
+            job(root, "from_tp_to_fsdp4", "parallel.dp_shard=4", *TP, f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"),
+            job(root, "from_tp_to_tp2pp2", "parallel.tp=2", "parallel.pp=2", *TP,
                 f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}")]
-    eight = [job(root, "dp2_tp2_pp2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2")]
+    eight = [job(root, "dp2_tp2_pp2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", *TP)]
     return {2: two, 4: four, 8: eight}
 
 
@@ -120,14 +130,17 @@ def root(worlds) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(root, tiny_data) -> dict:
-    """One process, one big micro-batch, for each model variant."""
+    """One process, one big micro-batch, for each model variant (tp_*: the two-block model)."""
     out = {}
-    for variant, extra in (("gpt2", ["train.micro_batch_size=16"]),
-                           ("llama", ["train.micro_batch_size=16", NO_MIDRUN_SAVE, *LLAMA]),
-                           ("sinus", ["train.micro_batch_size=16", NO_MIDRUN_SAVE, *SINUS]),
-                           ("modern", ["train.micro_batch_size=16", NO_MIDRUN_SAVE, *MODERN]),
+    for variant, extra in (("gpt2", [whole_batch()]),
+                           ("llama", [whole_batch(), NO_MIDRUN_SAVE, *LLAMA]),
                            # validation takes eval_batches micro-batches: the same micro-batch size as the runs
-                           ("data", with_data(tiny_data))):
+                           ("data", with_data(tiny_data)),
+                           ("tp_gpt2", [*TP, whole_batch()]),
+                           ("tp_llama", [*TP, whole_batch(), NO_MIDRUN_SAVE, *LLAMA]),
+                           ("tp_sinus", [*TP, whole_batch(), NO_MIDRUN_SAVE, *SINUS]),
+                           ("tp_modern", [*TP, whole_batch(), NO_MIDRUN_SAVE, *MODERN]),
+                           ("tp_data", [*TP, *with_data(tiny_data)])):
         train_here(job(root, f"ref_{variant}", *extra)["overrides"])
         out[variant] = trace(root / f"ref_{variant}")
     return out
@@ -149,15 +162,15 @@ def eight(worlds, reference):
 
 
 # ---- tensor parallel ------------------------------------------------------------------
-@pytest.mark.parametrize("name,variant", [("tp2_plain", "gpt2"), ("tp2_sp", "gpt2"), ("tp2_sp_llama", "llama"),
-                                          ("tp2_sp_sinus", "sinus"), ("tp2_sp_modern", "modern")])
+@pytest.mark.parametrize("name,variant", [("tp2_plain", "tp_gpt2"), ("tp2_sp", "tp_gpt2"), ("tp2_sp_llama", "tp_llama"),
+                                          ("tp2_sp_sinus", "tp_sinus"), ("tp2_sp_modern", "tp_modern")])
 def test_tp2_matches_one_process(root, two, reference, name, variant):
     assert_matches(root / name, reference[variant], steps())
     assert all(not r["init_mismatched"] for r in two[name]), "TP shards must hold slices of the same init"
 
 
 def test_tp4_matches_one_process(root, four, reference):
-    assert_matches(root / "tp4", reference["gpt2"], steps())
+    assert_matches(root / "tp4", reference["tp_gpt2"], steps())
 
 
 def test_tp_backward_reduces_each_block_input_once(two):
@@ -165,7 +178,7 @@ def test_tp_backward_reduces_each_block_input_once(two):
     reduced once: a reduce-scatter with SP, an all-reduce without. Each q/k/v (and MLP input)
     projection all-reduced its own partial input gradient before (4 full all-reduces per block
     in the backward instead of 2 reduce-scatters: 4x the bytes at TP2)."""
-    L = 6  # BASE's blocks
+    L = 2  # the TP jobs' blocks
     sp, plain = (two[name][0]["update_collectives"]["forward_backward"] for name in ("tp2_sp", "tp2_plain"))
     # SP, per block and pass: 2 all-gathers and 2 reduce-scatters (one pair each for attention
     # and the MLP). Outside the blocks: the final norm's gather into the head and its backward
@@ -183,7 +196,7 @@ def test_tp_gathers_block_inputs_in_the_autocast_dtype(two):
     block input is cast before its all-gather, so every block collective moves bf16, the
     gathers forward and their gradients' reduce-scatters backward included (before: 2 fp32
     all-gathers and 2 fp32 reduce-scatters per block, half of TP's bytes)."""
-    L = 6
+    L = 2
     seen = two["tp2_sp"][0]["update_collectives"]["autocast_dtypes"]
     ag, rs = seen["all_gather_into_tensor"], seen["reduce_scatter_tensor"]
     # per block: 2 input gathers forward, 2 gathers of the output's gradient backward; the same
@@ -241,12 +254,12 @@ def test_pp4_matches_one_process(root, four, reference, name):
     assert_matches(root / name, reference["gpt2"], steps())
 
 
-@pytest.mark.parametrize("name", ["pp2_data", "tp2_data"])
-def test_validation_loss_matches_one_process(root, two, reference, name):
-    assert_matches(root / name, reference["data"], steps())
+@pytest.mark.parametrize("name,variant", [("pp2_data", "data"), ("tp2_data", "tp_data")])
+def test_validation_loss_matches_one_process(root, two, reference, name, variant):
+    assert_matches(root / name, reference[variant], steps())
     val = {n: [float(r["val_loss"]) for r in csv.DictReader(open(root / n / "metrics.csv")) if r["val_loss"]]
-           for n in (name, "ref_data")}
-    assert val[name] and val[name] == pytest.approx(val["ref_data"], rel=1e-5)
+           for n in (name, f"ref_{variant}")}
+    assert val[name] and val[name] == pytest.approx(val[f"ref_{variant}"], rel=1e-5)
 
 
 def test_pipeline_checkpoint_generates_in_one_process(root, two, reference, capsys):
@@ -265,28 +278,29 @@ def test_pipeline_checkpoint_generates_in_one_process(root, two, reference, caps
 
 
 # ---- compositions ---------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["tp2_fsdp2", "tp2_ddp2", "pp2_fsdp2", "pp2_ddp2", "tp2_pp2"])
-def test_2d_layouts_match_one_process(root, four, reference, name):
-    assert_matches(root / name, reference["gpt2"], steps())
+@pytest.mark.parametrize("name,variant", [("tp2_fsdp2", "tp_gpt2"), ("tp2_ddp2", "tp_gpt2"), ("pp2_fsdp2", "gpt2"),
+                                          ("pp2_ddp2", "gpt2"), ("tp2_pp2", "tp_gpt2")])
+def test_2d_layouts_match_one_process(root, four, reference, name, variant):
+    assert_matches(root / name, reference[variant], steps())
 
 
 @pytest.mark.slow
 def test_3d_dp2_tp2_pp2_matches_one_process(root, eight, reference):
-    assert_matches(root / "dp2_tp2_pp2", reference["gpt2"], steps())
+    assert_matches(root / "dp2_tp2_pp2", reference["tp_gpt2"], steps())
 
 
 # ---- checkpoints across layouts -------------------------------------------------------
 @pytest.mark.parametrize("name", ["from_tp_to_fsdp4", "from_tp_to_tp2pp2"])
 def test_tp_dp_checkpoint_resumes_under_other_layouts(root, four, reference, name):
     assert all(r["start_step"] == SAVE_AT for r in four[name])
-    assert_matches(root / name, reference["gpt2"], range(SAVE_AT + 1, STEPS + 1))
+    assert_matches(root / name, reference["tp_gpt2"], range(SAVE_AT + 1, STEPS + 1))
 
 
 def test_tp_dp_checkpoint_resumes_in_one_process(root, four, reference):
-    t = train_here(BASE + [f"log.root={root}", "log.name=from_tp_to_one",
-                           f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"])
+    t = train_here(BASE + TP + [whole_batch(), f"log.root={root}", "log.name=from_tp_to_one",
+                                f"train.resume={ckpt(root, 'tp2_fsdp2', SAVE_AT)}"])
     assert t.step == STEPS
-    assert_matches(root / "from_tp_to_one", reference["gpt2"], range(SAVE_AT + 1, STEPS + 1))
+    assert_matches(root / "from_tp_to_one", reference["tp_gpt2"], range(SAVE_AT + 1, STEPS + 1))
 
 
 # ---- config errors (no launch) --------------------------------------------------------

@@ -13,6 +13,21 @@ from pathlib import Path
 import torch
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# The data-parallel runs (tests/test_distributed.py, tests/test_lion.py): tiny and fast, but every
+# part that parallelism touches: tied embeddings, learned positions (a root parameter besides the
+# tie), biases, norms, and clipping that is active on every step (grad norms here are ~0.5), so a
+# wrong global norm shows up.
+STEPS, SAVE_AT = 6, 3
+DP_RUN = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=256", "model.block_size=32",
+          "model.vocab_size=256", "model.position=learned", "data.source=synthetic",
+          f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=4",
+          "train.lr=3e-2", "train.min_lr=3e-3", "train.warmup_steps=2", "train.grad_clip=0.3",
+          "train.eval_every=0", f"train.checkpoint_every={SAVE_AT}", "train.keep_last=5",
+          "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
+
+
+def dp_overrides(root: Path, name: str, *extra: str) -> list[str]:
+    return DP_RUN + [f"log.root={root}", f"log.name={name}", *extra]
 
 
 def ckpt(root: Path, name: str, step: int) -> Path:

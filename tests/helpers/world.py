@@ -88,7 +88,8 @@ def main(plan_path: str) -> None:
     kinds, todo = _kinds(), [s for s, finished in zip(scenarios, done[0]) if not finished]
     for s in [s for s in todo if s["kind"] != "cli"] + [s for s in todo if s["kind"] == "cli"]:
         t0, tee = time.perf_counter(), _Tee(sys.stdout)
-        print(f"world {world}: scenario {s['name']} ({s['kind']})", flush=True)
+        if rank == 0:
+            print(f"world {world}: scenario {s['name']} ({s['kind']})", flush=True)
         try:
             sys.stdout = tee
             result = kinds[s["kind"]](s)
@@ -104,7 +105,7 @@ def main(plan_path: str) -> None:
             sys.stdout = tee.stream
         if rank == 0:
             _save(Path(s["result"]), result, tee.kept.getvalue())
-        print(f"world {world}: scenario {s['name']} took {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"world {world}: scenario {s['name']} took {time.perf_counter() - t0:.1f} s", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
