@@ -1,4 +1,9 @@
-"""End to end through the CLI, as a user types it, plus every bad input named in one line."""
+"""End to end through the CLI, as a user types it, plus every bad input named in one line.
+
+Prepare and train run as processes, and so does what a test reads through a pipe; the verbs
+after them (eval, generate, plot) and the refusals run through the CLI's entry point in this
+process (each `python -m distlm` pays seconds of imports), their exit codes the ones it returns.
+The exit status and lines of a refusal as a process: tests/test_cli_user_errors.py."""
 import json
 import os
 import re
@@ -71,7 +76,22 @@ def test_eval_through_a_pipe_says_how_far_it_is(e2e):
     assert p.stdout.count("\n") == 1 and "val loss" in p.stdout, p.stdout
 
 
-def test_prepare_train_eval_generate(e2e):
+def in_process(capsys, monkeypatch, *commands, stdins=None) -> list[subprocess.CompletedProcess]:
+    """`distlm ...` commands through the CLI's entry point, one after the other, in this process."""
+    import io
+    from distlm.cli import main
+    out = []
+    for args, text in zip(commands, stdins or [None] * len(commands)):
+        if text is not None:
+            monkeypatch.setattr("sys.stdin", io.StringIO(text))
+        capsys.readouterr()
+        rc = main([str(a) for a in args])
+        o, e = capsys.readouterr()
+        out.append(subprocess.CompletedProcess(args, rc, o, e))
+    return out
+
+
+def test_prepare_train_eval_generate(e2e, capsys, monkeypatch):
     tmp, train = e2e
     assert "done: step 20" in train.stdout
     assert "tok/s" in train.stdout and "mfu n/a" in train.stdout  # no peak is known for a CPU
@@ -79,12 +99,14 @@ def test_prepare_train_eval_generate(e2e):
     prompts.write_text("The king\nAlice was\n")
     seeded = ["generate", "--checkpoint", tmp / "runs" / "r", "--prompt", "Call me", "--max-new-tokens", "12",
               "--seed", "1", "--num-samples", "2"]
-    ev, gen, again, _, repl, plot = distlm_all(
-        ["eval", "--checkpoint", tmp / "runs" / "r", "--json"], seeded, seeded,
+    results = in_process(
+        capsys, monkeypatch, ["eval", "--checkpoint", tmp / "runs" / "r", "--json"], seeded, seeded,
         ["generate", "--checkpoint", tmp / "runs" / "r", "--prompts-file", prompts, "--out", tmp / "o.jsonl",
          "--max-new-tokens", "5", "--seed", "0"],
         ["generate", "--checkpoint", tmp / "runs" / "r", "--interactive", "--max-new-tokens", "4"],
         ["plot", tmp / "runs" / "r", "--out", tmp / "cmp.png"], stdins=[None, None, None, None, "Hello\n\n", None])
+    assert [p.returncode for p in results] == [0] * 6, [(p.args, p.stderr) for p in results if p.returncode]
+    ev, gen, again, _, repl, plot = results
     ev = json.loads(ev.stdout)
     assert ev["split"] == "val" and 0 < ev["loss"] < 10 and ev["perplexity"] > 1
     assert gen.stdout.count("--- sample") == 2
@@ -96,6 +118,7 @@ def test_prepare_train_eval_generate(e2e):
 
 
 def _fails(p, *needles):
+    """Exit status 2 and one line on stderr, naming what was wrong."""
     assert p.returncode == 2, (p.stdout, p.stderr)
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), p.stderr
@@ -103,11 +126,10 @@ def _fails(p, *needles):
         assert n in err[0], err[0]
 
 
-def test_bad_inputs_are_one_clear_line(e2e, tmp_path):
+def test_bad_inputs_are_one_clear_line(e2e, tmp_path, capsys, monkeypatch):
     tmp, _ = e2e
     data, run = tmp / "data", tmp / "runs" / "r"
-    # Independent commands, started together; each refusal checked in the order written.
-    nope, typo, preset, vocab, block, exists, cuda, shape, empty = distlm_all(
+    nope, typo, preset, vocab, block, exists, cuda, shape, empty = in_process(capsys, monkeypatch,
         ["prepare", tmp_path / "nope.txt", "--out", tmp_path / "o"],
         ["train", "train.max_stpes=3"],
         ["train", "--config", "tiy"],
@@ -117,7 +139,7 @@ def test_bad_inputs_are_one_clear_line(e2e, tmp_path):
         ["train", "--config", "tiny", *SMALL, f"data.dir={data}", "train.device=cuda", f"log.root={tmp_path}"],
         ["train", "--config", "tiny", *SMALL, "model.d_model=64", f"data.dir={data}", f"train.resume={run}",
          f"log.root={tmp_path}", "log.name=x"],
-        ["eval", "--checkpoint", tmp_path / "empty"], check=False)
+        ["eval", "--checkpoint", tmp_path / "empty"])
     _fails(nope, "nope.txt")
     assert not (tmp_path / "o").exists()
     _fails(typo, "did you mean 'max_steps'")
