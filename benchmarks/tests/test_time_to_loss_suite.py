@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import run as bench_run  # noqa: E402  (benchmarks/run.py)
 from suites import scaling as scaling_suite, time_to_loss  # noqa: E402

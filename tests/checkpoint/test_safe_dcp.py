@@ -7,7 +7,6 @@ the load is refused with a one-line CheckpointError naming the file and the glob
 that the payload's side effect (a file) did not happen."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -19,88 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlm.config import load_config
-from distlm.model.gpt import GPT
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from helpers.checkpoints import (TINY, _Reduce, _s, build_on_global, call_global, fresh_model, marker_meta,  # noqa: F401
+                                 rehash, save, tiny_model)
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
-        "model.vocab_size=64", "data.source=synthetic", "train.device=cpu"]
-
-
-# ---- helpers shared with test_checkpoint_integrity.py -----------------------------------
-def tiny_model(seed: int = 0, steps: int = 1):
-    """The tiny GPT and an AdamW that has taken ``steps`` steps (so it has state)."""
-    cfg = load_config(None, TINY)
-    torch.manual_seed(seed)
-    model = GPT(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        x = torch.randint(0, 64, (2, 16))
-        model(x, targets=x).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
-
-
-def fresh_model():
-    model, opt = tiny_model(seed=1, steps=0)
-    return model, opt
-
-
-def marker_meta(step: int) -> dict:
-    return {"trainer": {"step": step}, "config": load_config(None, TINY).to_dict(), "world_size": 1}
-
-
-def save(root: Path, step: int, model=None, opt=None) -> Path:
-    if model is None:
-        model, opt = tiny_model()
-    return ckpt.save_checkpoint(root, step, model, opt, marker_meta(step))
-
-
-def rehash(folder: Path) -> None:
-    """Rewrite the marker's checksums to match the folder as it is now (what an attacker,
-    who controls the whole folder, would do)."""
-    meta = json.loads((folder / ckpt.MARKER).read_text())
-    files = {}
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder).as_posix()
-        if p.is_file() and rel != ckpt.MARKER:
-            files[rel] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-    meta["files"] = files
-    (folder / ckpt.MARKER).write_text(ckpt.marker_text(meta))
-
-
-def _s(text: str) -> bytes:  # pickle SHORT_BINUNICODE
-    b = text.encode()
-    assert len(b) < 256
-    return b"\x8c" + bytes([len(b)]) + b
-
-
-def call_global(module: str, name: str, *args: str) -> bytes:
-    """A protocol-4 pickle of ``module.name(*args)``, the name looked up as STACK_GLOBAL does."""
-    return b"\x80\x04" + _s(module) + _s(name) + b"\x93(" + b"".join(_s(a) for a in args) + b"tR."
-
-
-def build_on_global(module: str, name: str, attr: str, value: str, slots: bool) -> bytes:
-    """A pickle that BUILDs onto the global itself: sets ``attr`` on the class or function."""
-    state = b"}" + _s(attr) + _s(value) + b"s"
-    if slots:
-        state = b"N" + state + b"\x86"  # (None, {attr: value}): setattr, even on a class
-    return b"\x80\x04" + _s(module) + _s(name) + b"\x93" + state + b"b."
-
-
-class _Reduce:
-    """pickle.dumps(_Reduce(f, args)) is the classic payload: unpickling calls f(*args)."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
+ROOT = Path(__file__).resolve().parents[2]
 def assert_refused(err: BaseException, where: Path, names: str) -> None:
     msg = str(err)
     assert isinstance(err, CheckpointError), repr(err)

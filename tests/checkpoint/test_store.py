@@ -1,5 +1,5 @@
 """Checkpoint writing under faults: a full disk, failed background saves, torn folders,
-kills between the renames of a save or a prune. Split from test_faults.py, whose helpers
+kills between the renames of a save or a prune. Split from tests/train/test_faults.py, whose helpers (tests/fault_harness.py)
 it uses."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import fault_harness as fh
 from distlm.checkpoint import store as ckpt
 from distlm.train.trainer import TrainingStopped
-from test_faults import make_trainer, names
+from fault_harness import make_trainer, names
 
 
 # ---- 4. disk faults ------------------------------------------------------------------

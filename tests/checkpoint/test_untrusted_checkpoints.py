@@ -3,7 +3,7 @@ outside its folder (2026-11-27).
 
 Shared state: a ``.metadata`` that is the real one plus opcodes aimed at an object that
 outlives the load (an enum member every later save pickles, a dtype, a layout, a class).
-Each is loaded in a fresh process (``python tests/test_untrusted_checkpoints.py CASE ...``,
+Each is loaded in a fresh process (``python tests/checkpoint/test_untrusted_checkpoints.py CASE ...``,
 so a poisoned interpreter never reaches the test runner); that process then saves a fresh
 checkpoint, which must load back there and here, and the shared objects must be as they were.
 
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_safety import _s, fresh_model, rehash, save, tiny_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.checkpoints import _s, fresh_model, rehash, save, tiny_model  # noqa: E402
 
 from distlm.checkpoint import store as ckpt  # noqa: E402
 from distlm.checkpoint.errors import CheckpointError, CorruptCheckpoint  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MD = "torch.distributed.checkpoint.metadata"
 
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from distlm.checkpoint import store as ckpt
 from distlm.checkpoint.errors import CheckpointError, CheckpointSaveError, CorruptCheckpoint, NonFiniteCheckpoint
-from test_checkpoint_safety import fresh_model, marker_meta, save, tiny_model
+from helpers.checkpoints import fresh_model, marker_meta, save, tiny_model
 
 INLINE_CONTAINER = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
 
@@ -250,7 +250,7 @@ def test_a_different_architecture_is_not_skipped_as_corrupt(run):
     """Only damaged checkpoints are skipped: a shape mismatch is the caller's error."""
     from distlm.config import load_config
     from distlm.model.gpt import GPT
-    from test_checkpoint_safety import TINY
+    from helpers.checkpoints import TINY
     model = GPT(load_config(None, TINY + ["model.d_model=64", "model.d_ff=128"]).model)
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(CheckpointError, match="has shape") as e:
@@ -440,7 +440,7 @@ def test_trainer_on_a_full_tmpfs_follows_on_save_error(small_fs, capsys):
     failed, then stops (exit 3) when the final save fails again; `stop` stops with one line
     naming the cause."""
     from distlm.train.trainer import TrainingStopped
-    from test_faults import make_trainer
+    from fault_harness import make_trainer
     root = small_fs("128k")
     t = make_trainer(root, "cont", "train.max_steps=4", "train.checkpoint_every=2", "train.on_save_error=continue")
     with pytest.raises(TrainingStopped) as e:  # the final save fails twice: the run must not end as if done
@@ -460,7 +460,7 @@ def test_trainer_on_a_full_tmpfs_follows_on_save_error(small_fs, capsys):
 
 def test_trainer_stops_on_an_injected_dcp_failure_keeping_the_previous_checkpoint(tmp_path, monkeypatch):
     from distlm.train.trainer import TrainingStopped
-    from test_faults import make_trainer
+    from fault_harness import make_trainer
     real, calls = ckpt.dcp.save, []
 
     def save(*a, **k):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
          "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=10", "train.eval_batches=2",
          "log.every=5", "log.progress=false"]
@@ -190,7 +190,7 @@ def test_a_finished_train_process_ends_without_the_interpreters_teardown(tmp_pat
     proc = subprocess.run([sys.executable, "-c", code, "train", "--config", "tiny", "data.source=synthetic",
                            "train.max_steps=2", "train.device=cpu", "train.compile=false", "log.samples=0",
                            f"log.root={tmp_path}", "log.name=quick"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("done: step 2") and any(x.startswith("end of run ") for x in lines), proc.stdout

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each command line runs through `python -m distlm` (runpy, as the console does), in one
 # fresh interpreter; the exit status and whether torch got imported are recorded per line.

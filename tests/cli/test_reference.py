@@ -12,7 +12,7 @@ from distlm.cli import VERBS, build_parser
 from distlm.cli.reference import COMMAND, reference
 from distlm.config import SECTIONS, list_presets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "cli.md"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fault_harness import CLI_TINY  # noqa: E402
 
 from distlm.cli import main  # noqa: E402

@@ -3,7 +3,7 @@ the packages below hold the library functions the verbs call."""
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "distlm"
+PKG = Path(__file__).resolve().parents[2] / "distlm"
 
 
 def command_line_bodies(source: str) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from distlm import cli
 from distlm.cli.signature import add_verb, call
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docstring_and_guide_list_every_verb():

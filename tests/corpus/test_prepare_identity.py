@@ -8,7 +8,7 @@ the bundled Gutenberg books (benchmarks/tools/prepare_speed.py's build_corpora, 
 digests are in the fixture too, so that a change to the corpus builder is told apart from a
 change to prepare.
 
-To recompute (only when the output is meant to change): PYTHONPATH=. python tests/test_prepare_identity.py
+To recompute (only when the output is meant to change): PYTHONPATH=. python tests/corpus/test_prepare_identity.py
 """
 import hashlib
 import json
@@ -19,10 +19,10 @@ import pytest
 
 from distlm.corpus import prepare as prep
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
 from prepare_speed import build_corpora  # noqa: E402  (the lab's corpus builder)
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "prepare_identity" / "digests.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "prepare_identity" / "digests.json"
 SHAPES = ["small-files", "jsonl", "huge"]
 SIZE_MB = 2.0
 FILES = {"small_file_bytes": 64 << 10, "jsonl_file_bytes": 256 << 10}  # many files at 2 MB a corpus

@@ -22,7 +22,7 @@ from distlm.corpus import sources
 from distlm.data import DataError, load_manifest, verify_shards
 from distlm.data import tokenizer as tkz
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
          "under pale moonlight near an old stone bridge").split()
 

@@ -7,7 +7,7 @@ import torch
 
 from distlm.config import load_config
 from distlm.data.loader import BatchLoader, split_micro_batches
-from tests.test_data_order import blocks_of, numbered, write_folder
+from test_order import blocks_of, numbered, write_folder
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_next_batch_is_made_before_the_step_reads_its_loss():
 def _tool():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tools" / "default_path.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "tools" / "default_path.py"
     spec = importlib.util.spec_from_file_location("default_path_tool", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

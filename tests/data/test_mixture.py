@@ -10,7 +10,7 @@ from distlm.config import load_config
 from distlm.data import DataError
 from distlm.data.loader import BatchLoader
 from distlm.data.mixture import MixtureLoader, Schedule, load_sources, parse_mix
-from test_data_order import GPT2_TOK, blocks_of, numbered, write_folder
+from test_order import GPT2_TOK, blocks_of, numbered, write_folder
 
 BS = 4
 SIZES = {"web": 50, "books": 20, "code": 7}  # blocks in each source's train split

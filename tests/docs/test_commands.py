@@ -43,7 +43,7 @@ import pytest
 from distlm.cli import _take_overrides, build_parser, main
 from distlm.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADS = {"distlm", "python", "python3", "make", "torchrun", "srun", "sbatch", "bash", "horovodrun", "tensorboard",
          "source"}
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
@@ -58,19 +58,19 @@ PLACEHOLDERS = {
 }
 # Kinds of command that are validated but not run here, and why.
 NOT_RUN = {
-    "torchrun": "several processes, usually GPUs; the layouts run in tests/test_distributed.py and "
-                "tests/test_model_parallel.py",
+    "torchrun": "several processes, usually GPUs; the layouts run in tests/layout/test_data.py and "
+                "tests/layout/test_tensor.py",
     "--nproc-per-node": "several processes, usually GPUs; tests/test_launch_local.py runs it on 2 CPU ranks",
-    "horovodrun": "needs the Horovod build (make horovod); tests/test_horovod.py runs the engine",
-    "sbatch": "needs a SLURM cluster; the dry run of the same script runs here, tests/test_slurm.py the rest",
+    "horovodrun": "needs the Horovod build (make horovod); tests/parallel/test_horovod.py runs the engine",
+    "sbatch": "needs a SLURM cluster; the dry run of the same script runs here, tests/launch/test_slurm.py the rest",
     "srun": "needs a SLURM cluster",
     "make": "make run is the demo (minutes), make test the whole suite, make horovod a build",
-    "tensorboard": "starts a server; tests/test_user_runs.py reads the event files",
+    "tensorboard": "starts a server; tests/train/test_logger.py reads the event files",
     "source": "changes the shell, not the project",
     "--interactive": "reads prompts from a terminal",
     "benchmarks/": "a GPU suite (docs/results/ has its figures)",
     "scripts/build_docs_corpus.py": "reads every installed package's sources (minutes on a small machine); "
-                                    "tests/test_docs_corpus.py builds and prepares it at a tiny size",
+                                    "benchmarks/tests/test_docs_corpus.py builds and prepares it at a tiny size",
     "-m gpu": "the CUDA-only tests",
     "GPU-sized": "a GPU-sized model or corpus (a 124M+ preset, a folder the reader prepares)",
 }

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 COLUMNS = ["figure", "value", "card", "date", "torch", "commit", "command"]
 # The index, and the page of how the recipe got where it is: history, with no current figure.

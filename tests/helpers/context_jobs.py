@@ -136,3 +136,17 @@ def run(job: dict) -> dict:
         if not job.get("expect_error"):
             raise
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def sharded_against_whole(cp: int, docs, window: int, device="cpu", dtype=torch.float32):
+    """Every rank's attend_shard on its part of q, over the whole row's K and V, joined, and
+    the one-process attention of the whole row under the same rule."""
+    from distlm.model.attention import attend, dense_mask
+    from distlm.parallel.context import attend_shard, shard_sequence, unshard_sequence
+    g = torch.Generator().manual_seed(cp)
+    B, H, T, hd = 2, 3, 8 * cp, 16
+    q, k, v = (torch.randn(B, H, T, hd, generator=g).to(device, dtype) for _ in range(3))
+    parts = [attend_shard(shard_sequence(q, cp, r, dim=2), torch.stack((k, v)), cp, r, docs, window)
+             for r in range(cp)]
+    mask = dense_mask(T, T, device, docs=docs, window=window) if docs is not None or window else None
+    return unshard_sequence(parts, dim=2).float(), attend(q, k, v, mask, True, 0.0).float()

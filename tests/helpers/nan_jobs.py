@@ -1,4 +1,4 @@
-"""`distlm train` runs with a NaN put into one gradient at chosen steps (tests/test_nan_device.py).
+"""`distlm train` runs with a NaN put into one gradient at chosen steps (tests/train/test_nan_skip.py).
 
     python tests/helpers/nan_jobs.py PLAN.json
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-# The data-parallel runs (tests/test_distributed.py, tests/test_lion.py): tiny and fast, but every
+# The data-parallel runs (tests/layout/test_data.py, tests/optim/test_lion.py): tiny and fast, but every
 # part that parallelism touches: tied embeddings, learned positions (a root parameter besides the
 # tie), biases, norms, and clipping that is active on every step (grad norms here are ~0.5), so a
 # wrong global norm shows up.

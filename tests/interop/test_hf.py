@@ -7,13 +7,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from distlm.config import Config, ModelConfig  # noqa: E402
+from distlm.config import ModelConfig  # noqa: E402
 from distlm.interop import (ExportError, InteropError, apply_hf_model_config, export_hf,  # noqa: E402
                             load_hf_into, model_config_from_hf)
 from distlm.interop.hf import hf_architecture  # noqa: E402
 from distlm.model.generate import SamplingConfig, generate_tokens  # noqa: E402
 from distlm.model.gpt import GPT  # noqa: E402
-from distlm.checkpoint import save_checkpoint  # noqa: E402
+from helpers.checkpoints import make_run, randomize  # noqa: E402,F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TOL = 1e-4
@@ -26,30 +26,6 @@ def bpe(tmp_path_factory):
     from conftest import SAMPLE_TEXT
     from distlm.data.tokenizer import train_bpe
     return train_bpe(SAMPLE_TEXT, 300)
-
-
-@torch.no_grad()
-def randomize(model, seed=0):
-    # Init leaves biases at 0 and norm weights at 1: a swapped or dropped bias would pass.
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=g)
-        p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.05 * noise)
-    return model
-
-
-def make_run(root, tok=None, vocab_size=None, **model_kw):
-    """A run folder as the Trainer leaves it: RUN/checkpoints/step_*/ and RUN/tokenizer/."""
-    cfg = Config(model=ModelConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32,
-                                   vocab_size=vocab_size or tok.vocab_size, **model_kw))
-    model = randomize(GPT(cfg.model))
-    if tok is not None:
-        (root / "tokenizer").mkdir(parents=True)
-        tok.save(root / "tokenizer")
-        (root / "tokenizer" / "tokenizer.meta.json").write_text(json.dumps({"name": tok.name}))
-    opt = torch.optim.AdamW(model.parameters())
-    save_checkpoint(root / "checkpoints", 1, model, opt, {"trainer": {}, "config": cfg.to_dict()})
-    return model.eval(), cfg
 
 
 def load_hf(out):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_safety import _Reduce  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.checkpoints import _Reduce  # noqa: E402
 
 from distlm.config import ModelConfig  # noqa: E402
 from distlm.interop.hf import InteropError  # noqa: E402

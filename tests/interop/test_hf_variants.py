@@ -46,7 +46,7 @@ def logits_diff(ours, hf, vocab, block):
 
 @pytest.mark.parametrize("name,arch,tie,bias,cls", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_variant_logits_match(tmp_path, bpe, name, arch, tie, bias, cls):
-    from test_hf import make_run
+    from helpers.checkpoints import make_run
     model, cfg = make_run(tmp_path / "run", bpe, tie_embeddings=tie, bias=bias, **arch)
     assert export_hf(tmp_path / "run", tmp_path / "hf")["architecture"] == cls
     hf = read_back(tmp_path / "hf")
@@ -65,7 +65,7 @@ def test_demo_model_exports_and_matches(tmp_path, bpe):
     from distlm.checkpoint import save_checkpoint
     from distlm.config import Config
     from distlm.model.gpt import GPT
-    from test_hf import randomize
+    from helpers.checkpoints import randomize
     root = tmp_path / "run"
     cfg = Config(model=ModelConfig(vocab_size=bpe.vocab_size, **fields))
     model = randomize(GPT(cfg.model)).eval()

@@ -20,7 +20,7 @@ import pytest
 from distlm.launch.slurm import (LaunchError, dry_run_env, expand_hostlist, gpus_per_node, launch_env, node_command,
                                     parse_slurm_duration, run_finished, seconds_left, slurm_env_lines, slurm_rendezvous)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 TINY = ["model.n_layer=2", "model.d_model=64", "model.d_ff=256", "model.block_size=32", "model.vocab_size=256",
         "data.source=synthetic", "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_every=0",

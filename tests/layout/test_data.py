@@ -30,7 +30,7 @@ from helpers.worlds import WORLD, child_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

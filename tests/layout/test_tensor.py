@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism, and their compositions, against one process (CPU, gloo).
 
-Same method as test_distributed.py: each layout trains on the same global batches as the
+Same method as tests/layout/test_data.py: each layout trains on the same global batches as the
 single-process reference, so per-step losses and grad norms must agree to fp32 rounding.
 Scenarios of the shared worlds (tests/helpers/worlds.py), each a Trainer job:
   - 2 ranks: TP2 plain and TP2 + SP + loss_parallel, on several model variants (the modern

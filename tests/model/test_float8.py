@@ -5,7 +5,7 @@ through torch._scaled_mm where this torch has it on the CPU), which layers are s
 state dict does not change, torch.compile, and the refusals. Under the `gpu` marker, on a GPU
 with float8 tensor cores: the kernel against the emulation and a bf16 reference, and training
 losses against bf16:
-    python -m pytest -q -m gpu tests/test_float8.py
+    python -m pytest -q -m gpu tests/model/test_float8.py
 """
 import pytest
 import torch

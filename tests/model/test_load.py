@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "run-13d7eec"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-13d7eec"
 
 
 def test_an_old_checkpoint_loads_with_the_same_logits():

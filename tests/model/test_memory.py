@@ -13,7 +13,7 @@ from distlm.config import load_config
 from distlm.parallel.dims import ParallelDims
 from distlm.train.fast_defaults import Device, memory_estimate
 
-RECORDS = json.loads((Path(__file__).resolve().parent / "fixtures" / "memory_measurements.json").read_text())
+RECORDS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "memory_measurements.json").read_text())
 
 
 def test_every_registered_optimizer_is_measured():

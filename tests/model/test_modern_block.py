@@ -2,7 +2,7 @@
 reference: QK-norm, ReLU^2, zero-initialised projections, logit soft-cap (both loss paths and
 generation), value embeddings, U-net skips, document masks and sliding windows (dense path
 on CPU; FlexAttention on CUDA under the `gpu` mark), and the HF export/import refusals.
-The TP2 run with these options is a job of tests/test_model_parallel.py's 2-rank launch.
+The TP2 run with these options is a job of tests/layout/test_tensor.py's 2-rank launch.
 """
 from __future__ import annotations
 
@@ -451,7 +451,7 @@ LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu")
 def test_export_refuses_each_inexpressible_option(field, value):
     from distlm.interop.hf import ExportError, hf_architecture
     for arch in (LLAMA, dict(position="learned", norm="layernorm", mlp="gelu")):
-        if field == "qk_norm" and arch is LLAMA:  # Qwen3 has it (tests/test_export_demo.py)
+        if field == "qk_norm" and arch is LLAMA:  # Qwen3 has it (tests/interop/test_hf_variants.py)
             continue
         with pytest.raises(ExportError, match=f"model.{field}={value}") as e:
             hf_architecture(ModelConfig(**{**BASE, **arch, field: value}))
@@ -463,7 +463,7 @@ def test_export_refuses_each_inexpressible_option(field, value):
 
 def test_distlm_export_command_refuses_with_one_line(tmp_path, capsys):
     pytest.importorskip("safetensors")
-    from test_hf import make_run
+    from helpers.checkpoints import make_run
 
     from distlm.cli import main
     from distlm.data.tokenizer import train_bpe

@@ -314,7 +314,7 @@ def test_training_a_tiny_moe_learns_logs_its_load_and_resumes_bit_exact(tmp_path
 def test_the_moe_preset_is_the_speedrun_at_its_active_shape():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from suites.time_to_loss import ABLATIONS
     preset = load_config("speedrun-moe")
     assert preset == load_config("speedrun-124m", ABLATIONS["moe"].split())
@@ -330,7 +330,7 @@ def test_kernel_benchmark_runs_on_the_cpu(tmp_path, capsys):
     import json
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
     import moe_kernels
     assert moe_kernels.main(["--cpu", "--json", str(tmp_path / "k.json")]) == 0
     rows = json.loads((tmp_path / "k.json").read_text())["rows"]

@@ -1,7 +1,7 @@
 """Lion (distlm/optim/lion.py, optim.name=lion): its update rule, its groups, a bit-exact resume
 in one process, and runs on two gloo ranks (FSDP2 and DDP, one resumed on the other layout and
 one on a single process) against the one-process reference, with the harness of
-tests/test_distributed.py."""
+tests/layout/test_data.py."""
 from __future__ import annotations
 
 import csv
@@ -108,7 +108,7 @@ def test_lion_on_fsdp2_and_ddp2_and_across_layouts_matches_one_process(worlds):
     assert {r["resumed_from"] for r in runs["fsdp2_to_ddp2"]} == {str(fsdp)}
     assert one.resumed_from == fsdp
     # Lion moves every element by +-lr: a sign that rounding flipped would show as a jump,
-    # so the traces are held to the same fp32 tolerance as AdamW's (tests/test_distributed.py).
+    # so the traces are held to the same fp32 tolerance as AdamW's (tests/layout/test_data.py).
     for name, first in (("fsdp2", 1), ("ddp2", 1), ("fsdp2_to_ddp2", 4), ("fsdp2_to_1", 4)):
         got = trace(root / name)
         assert sorted(got) == list(range(first, STEPS + 1)), name

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("horovod.torch")
 pytestmark = pytest.mark.dist
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--config", "tiny", "data.source=synthetic", "model.vocab_size=256", "model.n_layer=2", "model.d_model=32",
          "model.n_head=2", "model.d_ff=64", "model.block_size=16", "train.global_batch_size=8",
          "train.micro_batch_size=2", "train.max_steps=6", "log.every=1", "log.progress=false",

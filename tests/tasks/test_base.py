@@ -10,7 +10,7 @@ import torch
 
 from distlm.config import load_config
 
-PKG = Path(__file__).resolve().parents[1] / "distlm"
+PKG = Path(__file__).resolve().parents[2] / "distlm"
 TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_batches=2", "train.max_steps=2",
         "log.progress=false", "log.samples=2", "train.seed=7"]

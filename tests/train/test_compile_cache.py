@@ -10,7 +10,7 @@ from pathlib import Path
 
 from distlm.train.compile_cache import INDUCTOR_ENV, inductor_folder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
          "model.vocab_size=64", "data.source=synthetic", "train.device=cpu", "train.global_batch_size=2",
          "train.micro_batch_size=2", "train.max_steps=2", "train.eval_every=0", "log.progress=false",

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import fault_harness as fh
-from distlm.config import load_config
+from fault_harness import make_trainer, names, nan_at, params, record_steps
 from distlm.checkpoint import store as ckpt
 from distlm.train.trainer import Trainer, TrainingStopped
 
@@ -228,42 +228,6 @@ def test_second_ctrl_c_interrupts_at_once(tmp_path):
     assert [p.name for p in complete] == ["step_0000002"] and fh.load_into_fresh(complete[0])["step"] == 2
 
 
-# ---- in-process helpers ----------------------------------------------------------------
-def make_trainer(root: Path, name: str, *extra: str) -> Trainer:
-    return Trainer(load_config(None, fh.CLI_TINY + [f"log.root={root}", f"log.name={name}", *extra]))
-
-
-def params(t: Trainer) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in t.gpt.parameters()]
-
-
-def record_steps(t: Trainer) -> dict:
-    """Wrap t.train_step: step -> (params before, params after, Adam step counts before/after, loss)."""
-    seen, inner = {}, t.train_step
-
-    def wrapped(*a, **k):
-        before = params(t)
-        adam_before = [float(s["step"]) for s in t.optimizer.state.values()]
-        loss, gn = inner(*a, **k)
-        seen[t.step] = (before, params(t), adam_before, [float(s["step"]) for s in t.optimizer.state.values()],
-                        float(loss))
-        return loss, gn
-
-    t.train_step = wrapped
-    return seen
-
-
-def nan_at(t: Trainer, *steps: int) -> None:
-    """The loss of the given (1-based) steps becomes NaN. The LM computes its loss inside the
-    model's forward (GPT.head_loss), so the poison goes there."""
-    inner = t.gpt.head_loss
-    t.gpt.head_loss = lambda x, y: inner(x, y) * (float("nan") if t.step + 1 in steps else 1.0)
-
-
-def names(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-
-
 # ---- 3. non-finite values --------------------------------------------------------------
 def test_nan_skip_leaves_parameters_and_goes_on(tmp_path, capsys):
     t = make_trainer(tmp_path, "skip", "train.max_steps=10", "train.checkpoint_every=1", "train.keep_last=1",
@@ -383,7 +347,7 @@ def test_background_saves_run_their_collectives_on_a_gloo_group_of_their_own(tmp
     """Under torch.distributed, dcp.async_save gets a gloo group made for it, not the world
     group: its collectives run from a thread of their own and must not interleave with the
     training's, and on GPUs the world group is NCCL, which async_save refuses. One process
-    in a real gloo world checks the plumbing; tests/test_distributed.py's fsdp2_async job runs
+    in a real gloo world checks the plumbing; tests/layout/test_data.py's fsdp2_async job runs
     background saves on 2 ranks against one process."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp

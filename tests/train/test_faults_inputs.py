@@ -1,5 +1,5 @@
 """Bad inputs of the reliability suite: damaged data shards, and checkpoints crafted to run
-code when loaded. Split from test_faults.py, whose helpers it uses."""
+code when loaded. Split from test_faults.py, whose helpers (tests/fault_harness.py) it uses."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fault_harness as fh
-from test_faults import make_trainer
+from fault_harness import make_trainer
 
 
 # ---- 5. data faults ------------------------------------------------------------------

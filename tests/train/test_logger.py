@@ -27,7 +27,7 @@ import pytest
 from distlm.config import SECTIONS, ConfigError, load_config
 from distlm.train.logger import log_interval
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_batches=2", "train.warmup_steps=2",
         "log.progress=false", "train.device=cpu"]

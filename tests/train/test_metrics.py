@@ -6,7 +6,7 @@ from pathlib import Path
 
 from distlm.train.metrics import SetupClock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module(tmp_path, monkeypatch, name: str, body: str) -> None:

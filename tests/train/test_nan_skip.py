@@ -34,7 +34,7 @@ from distlm.optim.base import BuildContext
 from distlm.train.faults import TrainingStopped
 from distlm.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A log row every 2 steps: a fault at an odd step is read one step later.
 RUN = [*fh.CLI_TINY, "train.max_steps=40", "train.checkpoint_every=0", "train.warmup_steps=2", "log.every=2"]
 OPTIMIZERS = {"adamw": [], "lion": ["optim.name=lion", "train.lr=1e-4"], "muon": ["optim.name=muon"]}
@@ -93,7 +93,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_each_optimizer_leaves_a_flagged_step_out_bit_for_bit(name, device):
-    """On a GPU too (the torch there may not be this one): pytest tests/test_nan_device.py -k bit_for_bit"""
+    """On a GPU too (the torch there may not be this one): pytest tests/train/test_nan_skip.py -k bit_for_bit"""
     spec = REGISTRY[name]
     runs = []
     for _ in range(2):  # one optimizer handed found_inf=0 on its good steps, one handed nothing

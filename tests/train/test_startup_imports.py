@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LATER = ["matplotlib", "transformers", "safetensors", "tiktoken", "tokenizers", "pyarrow", "pandas", "scipy",
          "huggingface_hub", "datasets", "wandb", "tensorboard", "torch.utils.tensorboard"]
 COMPILER = ["torch._dynamo", "torch._inductor", "triton"]

@@ -145,7 +145,7 @@ def test_evaluation_of_a_compiled_model(monkeypatch, tmp_path, tiny_data, eval_c
 def test_the_end_of_a_run_is_one_line_of_its_phases(tmp_path, capsys):
     """After the last step: the final checkpoint (its state, write, checksums, marker), the
     evaluation, the logs and the plot, timed in one line; the checkpoint in several files."""
-    from test_faults import make_trainer
+    from fault_harness import make_trainer
     t = make_trainer(tmp_path, "end", "train.max_steps=2", "train.checkpoint_every=0", "log.samples=0")
     summary = t.train()
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("end of run "))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fault_harness import CLI_TINY  # noqa: E402
 
 from distlm.config import ConfigError  # noqa: E402
@@ -152,7 +152,7 @@ def test_a_final_save_that_fails_once_is_retried_and_the_run_ends_well(tmp_path,
 def test_keep_last_counts_the_checkpoint_kept_from_before_a_fault(tmp_path):
     """Four skipped NaN steps used to protect four checkpoints: keep_last=2 kept 6. Now the
     one before the latest fault is kept, and counts among the two."""
-    from test_faults import make_trainer, nan_at, names
+    from fault_harness import make_trainer, nan_at, names
     t = make_trainer(tmp_path, "k", "train.max_steps=12", "train.checkpoint_every=1", "train.keep_last=2",
                      "train.on_nan=skip")
     nan_at(t, 3, 5, 7, 9)
@@ -161,7 +161,7 @@ def test_keep_last_counts_the_checkpoint_kept_from_before_a_fault(tmp_path):
 
 
 def test_a_checkpoint_pruned_while_being_read_names_the_race(tmp_path, monkeypatch, capsys):
-    from test_checkpoint_safety import fresh_model, save
+    from helpers.checkpoints import fresh_model, save
     from distlm.checkpoint import store
     from distlm.checkpoint.errors import CheckpointError
     from distlm.cli import main
