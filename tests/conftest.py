@@ -39,8 +39,9 @@ SAMPLE_TEXT = [
 ]
 
 
-# Made once for the whole run (the test folders are not packages: "package" would mean one each).
-@pytest.fixture(scope="session")
+# "package": no folder under tests/ is a package (no __init__.py), so these are made once for
+# the whole run, whichever folders its tests are in.
+@pytest.fixture(scope="package")
 def text_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("text")
     for i, t in enumerate(SAMPLE_TEXT * 4):
@@ -48,7 +49,7 @@ def text_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_data(tmp_path_factory, text_dir) -> Path:
     """A small prepared data set (GPT-2 tokenizer), shared by the tests that train."""
     from distlm.corpus.prepare import prepare
@@ -58,14 +59,18 @@ def tiny_data(tmp_path_factory, text_dir) -> Path:
 
 
 # ---- the multi-process worlds (tests/helpers/worlds.py) -------------------------------
-@pytest.fixture(scope="session")
-def worlds(request, tmp_path_factory, tiny_data):
+_COLLECTED: list = []  # the test items of this run, once collected
+
+
+@pytest.fixture(scope="package")
+def worlds(tmp_path_factory, tiny_data):
     """One gloo world per size for the scenarios of every collected module."""
-    from helpers.worlds import Worlds, collected_modules
-    return Worlds(tmp_path_factory.mktemp("worlds"), collected_modules(request.session), tiny_data)
+    from helpers.worlds import Worlds, modules_with_scenarios
+    return Worlds(tmp_path_factory.mktemp("worlds"), modules_with_scenarios(_COLLECTED), tiny_data)
 
 
 def pytest_collection_modifyitems(items):
+    _COLLECTED[:] = items
     # The test that first asks for a world waits for its whole launch: minutes on a loaded box.
     for item in items:
         if "worlds" in getattr(item, "fixturenames", ()):

@@ -6,7 +6,7 @@ A test module that needs several processes says what to run in them with a modul
 
 (``root``: the module's folder for the run, ``data``: the tiny prepared data set), scenarios by
 world size, each {"kind": ..., "name": ..., ...} (tests/helpers/world.py lists the kinds). The
-session's ``worlds`` fixture gathers the scenarios of every collected module and, on the first
+run's ``worlds`` fixture (tests/conftest.py) gathers the scenarios of every collected module and, on the first
 request for a world size, launches that world once with all of them; the module's tests read
 ``worlds.results(__name__, N)[NAME]``. Starting a world of 4 ranks costs about 15 CPU-seconds
 of imports and rendezvous on the 2-core box, before any scenario runs: one launch per size
@@ -135,9 +135,10 @@ class Worlds:
         self.exit_codes[size] = proc.returncode
 
 
-def collected_modules(session) -> list:
+def modules_with_scenarios(items) -> list:
+    """The modules of the collected tests that declare world scenarios, in collection order."""
     seen = {}
-    for item in session.items:
+    for item in items:
         module = getattr(item, "module", None)
         if module is not None and hasattr(module, "world_scenarios"):
             seen.setdefault(module.__name__, module)
