@@ -1,7 +1,8 @@
 """Scenarios of kind "train" for tests/helpers/world.py: one ``distlm train`` job each.
 
 A job is {"kind": "train", "name": ..., "overrides": [...]}, the same Trainer the CLI builds;
-"count_collectives": true also records the collectives of one update (TP only). Losses and
+"grad_norms": true also takes the gradient norm two ways before training (FSDP and TP), and
+"count_collectives": true records the collectives of one update (TP only) and the norms. Losses and
 grad norms land in each run's metrics.csv; the result is what only a live process can see
 (weights at init, tying, FSDP units, group timeouts), one entry per rank.
 """
@@ -161,7 +162,9 @@ def run(job: dict) -> list[dict]:
             "world_size": trainer.dims.world_size, "dp_rank": trainer.dims.dp_rank}
     if trainer.step == 0 and trainer.device.type == "cpu":  # the inspection reads gloo groups
         info.update(inspect_model(trainer))
-        if (trainer.dims.dp_shard > 1 or trainer.dims.tp > 1) and trainer.stepper.parts is None:
+        # One more forward/backward: only for the jobs whose norms a test compares.
+        sharded = trainer.dims.dp_shard > 1 or trainer.dims.tp > 1
+        if (job.get("grad_norms") or job.get("count_collectives")) and sharded and trainer.stepper.parts is None:
             info["grad_norms"] = norm_paths(trainer)
         # Three more forward/backward passes under dispatch modes: only for the jobs whose
         # collectives a test counts (a few seconds each on two cores).

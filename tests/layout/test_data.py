@@ -66,10 +66,10 @@ def world_scenarios(root: Path, data: Path) -> dict[int, list[dict]]:
     def job(name: str, *extra: str, **kw) -> dict:
         return {"kind": "train", "name": name, "overrides": overrides(root, name, *extra), **kw}
     resume_fsdp = f"train.resume={ckpt(root, 'fsdp4', SAVE_AT)}"
-    four = [job("fsdp4", "parallel.dp_shard=4"),
+    four = [job("fsdp4", "parallel.dp_shard=4", grad_norms=True),
             job("fsdp4_zero2_accum", "parallel.dp_shard=4", "parallel.reshard_after_forward=false",
                 "train.micro_batch_size=2"),
-            job("hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"),
+            job("hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2", grad_norms=True),
             job("ddp4", "parallel.dp_replicate=4"),
             job("ddp4_accum", "parallel.dp_replicate=4", "train.micro_batch_size=2")]
     two = [
