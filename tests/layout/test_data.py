@@ -124,6 +124,7 @@ def test_four_ranks_match_reference(root, reference, four, name):
 
 @pytest.mark.parametrize("name", ["fsdp4", "hsdp", "ddp4"])
 def test_init_is_layout_independent_and_tied(four, name):
+    assert len(four[name]) == 4  # every rank's view
     for r in four[name]:
         assert r["init_mismatched"] == [] and r["n_params"] > 10
         assert r["tied"]
@@ -137,6 +138,7 @@ def test_fsdp_units_keep_the_tie_in_the_root(four):
 
 
 def test_grad_norm_under_fsdp_equals_dtensors_own(four):
+    assert len(four["fsdp4"] + four["hsdp"]) == 8
     for r in four["fsdp4"] + four["hsdp"]:
         by_local, by_dtensor = r["grad_norms"]
         assert by_local > 0 and math.isclose(by_local, by_dtensor, rel_tol=1e-5)

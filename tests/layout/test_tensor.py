@@ -210,6 +210,7 @@ def test_tp_update_issues_few_collectives(two, name):
     """Partial-sum gradients are reduced once, in one bucket per mesh dim; the norm is one
     all-reduce per group of gradients; the optimizer step communicates nothing (it did one
     all-reduce per replicated parameter and read, ~300 a step at 1.5B, before)."""
+    assert len(two[name]) == 2
     for r in two[name]:
         c = r["update_collectives"]
         assert c["optimizer"] == 0, c
@@ -222,6 +223,7 @@ def test_tp_update_issues_few_collectives(two, name):
 def test_grad_norm_on_2d_meshes_equals_dtensors_own(four, name):
     """FSDP2 over TP shards dim 0 again (a _StridedShard, which is not a Shard to torch 2.13):
     the local-squares norm must still sum it over both mesh dims."""
+    assert len(four[name]) == 4
     for r in four[name]:
         by_local, by_dtensor = r["grad_norms"]
         assert by_local > 0 and math.isclose(by_local, by_dtensor, rel_tol=1e-5), (by_local, by_dtensor)
