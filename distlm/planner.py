@@ -256,7 +256,7 @@ def estimate(m: ModelConfig, lay: Candidate, global_batch: int, micro_batch: int
     # written out once). Fitted to peaks measured on one H200 (compiled,
     # loss_chunk 8192): gpt2-124m-1024 at micro-batch 8, where the eager count was 44-48% too
     # high for AdamW, Muon and Lion alike, and speedrun-124m (soft cap 30) at micro-batch 32;
-    # tests/test_memory_estimates.py holds the planner to them.
+    # tests/model/test_memory.py holds the planner to them.
     fused = fused_loss and lay.model_computes_loss
     per_logit = 2 * compute_bytes + (4 if m.logit_softcap else 0) if fused else compute_bytes + 4 + 4
     logits = rows * V / w.divisor("vocab") * per_logit

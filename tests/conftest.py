@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers package, fault_harness, fixture_digest
 
 @pytest.fixture(autouse=True)
 def _tf32_flags_per_test():
@@ -38,7 +39,8 @@ SAMPLE_TEXT = [
 ]
 
 
-# "package": tests/ is one folder, so these are made once for the whole run.
+# "package": no folder under tests/ is a package (no __init__.py), so these are made once for
+# the whole run, whichever folders its tests are in.
 @pytest.fixture(scope="package")
 def text_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("text")
@@ -54,6 +56,25 @@ def tiny_data(tmp_path_factory, text_dir) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare([str(text_dir)], out, tokenizer="gpt2", val_fraction=0.2, seed=0, workers=1, progress=False)
     return out
+
+
+# ---- the multi-process worlds (tests/helpers/worlds.py) -------------------------------
+_COLLECTED: list = []  # the test items of this run, once collected
+
+
+@pytest.fixture(scope="package")
+def worlds(tmp_path_factory, tiny_data):
+    """One gloo world per size for the scenarios of every collected module."""
+    from helpers.worlds import Worlds, modules_with_scenarios
+    return Worlds(tmp_path_factory.mktemp("worlds"), modules_with_scenarios(_COLLECTED), tiny_data)
+
+
+def pytest_collection_modifyitems(items):
+    _COLLECTED[:] = items
+    # The test that first asks for a world waits for its whole launch: minutes on a loaded box.
+    for item in items:
+        if "worlds" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(3600))
 
 
 # ---- where the suite's time goes ------------------------------------------------------

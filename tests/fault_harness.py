@@ -1,4 +1,4 @@
-"""Helpers for the reliability tests (tests/test_faults.py): launch `distlm train` as a
+"""Helpers for the reliability tests (tests/train/test_faults.py): launch `distlm train` as a
 real process, kill it at chosen moments (one process, or a whole torchrun tree), and
 read back what it left on disk.
 
@@ -438,3 +438,41 @@ class Campaign:
                 "plan": [f"{a.run}: {a.plan} -> {a.phase} (resumed {a.resumed_from}, reached {a.reached}, "
                          f"newest {a.newest_after}{', torn ' + ','.join(a.torn_tmp) if a.torn_tmp else ''})"
                          for a in self.attempts]}
+
+
+# ---- trainers in the test's own process ---------------------------------------------
+def make_trainer(root: Path, name: str, *extra: str):
+    from distlm.config import load_config
+    from distlm.train.trainer import Trainer
+    return Trainer(load_config(None, CLI_TINY + [f"log.root={root}", f"log.name={name}", *extra]))
+
+
+def params(t) -> list:
+    return [p.detach().clone() for p in t.gpt.parameters()]
+
+
+def record_steps(t) -> dict:
+    """Wrap t.train_step: step -> (params before, params after, Adam step counts before/after, loss)."""
+    seen, inner = {}, t.train_step
+
+    def wrapped(*a, **k):
+        before = params(t)
+        adam_before = [float(s["step"]) for s in t.optimizer.state.values()]
+        loss, gn = inner(*a, **k)
+        seen[t.step] = (before, params(t), adam_before, [float(s["step"]) for s in t.optimizer.state.values()],
+                        float(loss))
+        return loss, gn
+
+    t.train_step = wrapped
+    return seen
+
+
+def nan_at(t, *steps: int) -> None:
+    """The loss of the given (1-based) steps becomes NaN. The LM computes its loss inside the
+    model's forward (GPT.head_loss), so the poison goes there."""
+    inner = t.gpt.head_loss
+    t.gpt.head_loss = lambda x, y: inner(x, y) * (float("nan") if t.step + 1 in steps else 1.0)
+
+
+def names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())

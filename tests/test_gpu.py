@@ -61,7 +61,7 @@ def test_chunked_loss_compiled_on_cuda_matches_whole_logits():
 def test_context_split_attention_matches_whole_rows_in_bf16_on_cuda():
     """Each rank's two query chunks over the whole row's keys (causal_lower_right, the flash
     path) against one causal SDPA of the row, bf16 on the GPU (distlm/parallel/context.py)."""
-    from test_context_parallel import sharded_against_whole
+    from helpers.context_jobs import sharded_against_whole
     for cp in (2, 4):
         got, want = sharded_against_whole(cp, None, 0, device="cuda", dtype=torch.bfloat16)
         assert (got - want).norm() / want.norm() < 1e-2, cp

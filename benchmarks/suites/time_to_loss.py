@@ -77,7 +77,7 @@ ABLATIONS = {
     "b64s450": "train.global_batch_size=64 train.micro_batch_size=64 train.max_steps=450 train.eval_every=150",
     "fp8": "train.fp8=tensorwise", "fp8row": "train.fp8=rowwise",  # the blocks' matmuls in float8
     # The preset distlm/configs/speedrun-moe.yaml: a mixture of experts at speedrun-124m's active shape
-    # (tests/test_moe.py checks that the two say the same).
+    # (tests/model/test_moe.py checks that the two say the same).
     "moe": "model.moe.experts=16 model.moe.top_k=3 model.moe.d_ff=768 model.moe.shared=1 model.moe.first_dense=1 "
            "model.moe.bias_rate=0.005",
     # Fewer, wider experts at the same active width (2 x 1024 routed + 1024 shared = 3072): larger

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 # Only light modules here: building the parser must not import torch (about 5 s on a loaded
 # 2-core box), so `distlm --help`, a usage error or `--print-config` answer at once. The verbs
-# import what they need in their bodies; tests/test_cli_light.py checks that torch stays out.
+# import what they need in their bodies; tests/cli/test_light_commands.py checks that torch stays out.
 from distlm import __version__, bytecode
 from distlm.cli.bench import bench
 from distlm.cli.demo import demo

@@ -3,7 +3,7 @@ signature through signature.py) and the config dataclasses (distlm/config.py).
 
     python -m distlm.cli.reference > docs/cli.md
 
-tests/test_cli_reference.py fails when the committed page and this output differ, so the
+tests/cli/test_reference.py fails when the committed page and this output differ, so the
 reference cannot fall behind a new flag, field or preset.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def reference() -> str:
         "# CLI and config reference",
         "",
         "Written from the code by `" + COMMAND + "`: the verb table (`distlm/cli/__init__.py`, each verb's",
-        "signature) and the config dataclasses (`distlm/config.py`). `tests/test_cli_reference.py` fails when",
+        "signature) and the config dataclasses (`distlm/config.py`). `tests/cli/test_reference.py` fails when",
         "this page and the code differ; change the code, then regenerate.",
         "",
         "Conventions: " + " ".join(conventions.split()),

@@ -11,7 +11,7 @@ and the dry run (every node's command printed, nothing started) both call it, so
 run shows what will run.
 
 Everything SLURM-specific is a pure function of an environment mapping, so it is unit
-tested with fake variables (tests/test_slurm.py) on machines that have no SLURM.
+tested with fake variables (tests/launch/test_slurm.py) on machines that have no SLURM.
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def launch_env(env: Mapping[str, str], left_s: Optional[float], margin_s: float 
     r.update(RUN_ROOT=root, RUN_NAME=name, RUN_DIR=f"{root}/{name}", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS") or 1,
              PYTHONUNBUFFERED=1,
              # One rendezvous store per round: with torch's shared store a node that replaces a lost one
-             # waits forever for an address the survivors never republish (tests/test_distributed.py).
+             # waits forever for an address the survivors never republish (tests/layout/test_data.py).
              TORCH_DISABLE_SHARE_RDZV_TCP_STORE=env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") or 1,
              # torch.compile's cache (inductor's graphs and Triton's kernels) in the user's own cache
              # folder instead of the node's /tmp: a requeued job that lands on other nodes finds its

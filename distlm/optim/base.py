@@ -8,7 +8,7 @@ The state declaration says, for each kind of parameter, which tensors ``optimize
 holds: their key, whether each has the parameter's shape (and so its layout: a DTensor shard
 under FSDP2 / TP, resharded by DCP like the parameter) or is a scalar, and their dtype. The
 planner (distlm/planner.py) counts the bytes from it, and so does the auto micro-batch that
-uses the planner's estimate; tests/test_optim_registry.py checks each declaration against
+uses the planner's estimate; tests/optim/test_registry.py checks each declaration against
 the state a real step leaves.
 
 A step the Trainer must not take (a NaN/Inf loss or gradient, train.on_nan=skip) is decided on

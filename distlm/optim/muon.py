@@ -99,7 +99,7 @@ def newton_schulz_folded(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = t
     the fp32 accumulator. Same polynomial, same step count; per step three kernels instead of
     eight, and one rounding to ``dtype`` per product instead of three (in bf16 the result is
     closer to exact arithmetic than ``newton_schulz``'s). In fp32 on a CPU the two differ in the
-    last bits only (tests/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: a CPU
+    last bits only (tests/optim/test_muon_batched.py), which is why CPUs keep ``newton_schulz``: a CPU
     run keeps the bits it had before the folded form existed."""
     a, b, c = coeffs
     tall = g.size(-2) > g.size(-1)
@@ -341,7 +341,7 @@ class MuonSpec(Spec):
     # every tensor a step allocates (on a CPU, the folded form CUDA runs, bf16): 1 + 3 stacks;
     # the unfolded form peaks at 1 + 4. A stack holds the matrices of one shape: in a GPT
     # block at most a third of them (the MLP's input or output projection, d_ff = 4 d_model).
-    # tests/test_muon_batched.py measures the peak on a GPU against this.
+    # tests/optim/test_muon_batched.py measures the peak on a GPU against this.
     step_temporaries = {MATRIX: 1.0 + 3 * LARGEST_STACK, OTHER: 0.0}
 
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:

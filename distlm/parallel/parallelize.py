@@ -127,7 +127,7 @@ def compiler_settings(cfg: Config, ddp: bool) -> tuple[tuple[str, object], ...]:
     backward runs. With one graph per block, the block edges give that already. The cuts then
     only add graphs: a block graph past DDP's 1 MB first bucket is cut at least once, and each
     piece is a graph to compile cold and to load warm, in the first step. In the CPU test
-    (tests/test_compile_regions.py) the cuts took a 4-block model from 8 graphs to 10; on 4 GPUs
+    (tests/parallel/test_parallelize.py) the cuts took a 4-block model from 8 graphs to 10; on 4 GPUs
     speedrun-124m's first step loaded 22 graphs where one GPU's loaded 10. So DDP leaves whole
     blocks whole. A whole-model graph (compile_scope=model) keeps the cuts: without
     them its all-reduces would wait for the whole backward."""

@@ -90,7 +90,7 @@ def apply_tp(model: nn.Module, tp_mesh, pcfg: ParallelConfig) -> nn.Module:
             # their partial input gradients then add up as one Partial and are reduced once,
             # by the gather's backward (a reduce-scatter with SP). Handed on as local tensors,
             # each projection all-reduced its own: 4 full all-reduces per block backward
-            # instead of 2 reduce-scatters (tests/test_model_parallel.py counts them).
+            # instead of 2 reduce-scatters (tests/layout/test_tensor.py counts them).
             # Block passes (x, rope, cache, start_pos, attn_mask, causal, ve): only x is laid
             # out; the mask is per (batch, query, key) and serves every local head as is.
             "attn": PrepareModuleInput(input_layouts=(resid,) + (None,) * 6,

@@ -20,7 +20,7 @@ three evaluations that then take about a second each. Three ways to evaluate:
                      saves the compile.
 
 ``evaluation_for(cfg, plan, task)`` picks one; a compiled run prints its choice (an
-``evaluation:`` line). The validation loss is the same either way (tests/test_trainer.py).
+``evaluation:`` line). The validation loss is the same either way (tests/train/test_trainer.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ MAY_CHANGE    how the same run is carried on: its length and schedule, evaluatio
               device, dtype and compilation, the micro-batch (the global batch, and so the
               data order and the update, stay the same; only the accumulation changes).
 
-tests/test_user_runs.py checks that every field of the config is in exactly one of the two,
+tests/train/test_logger.py checks that every field of the config is in exactly one of the two,
 so a new field cannot slip through unclassified.
 """
 from __future__ import annotations
