@@ -448,7 +448,7 @@ def make_trainer(root: Path, name: str, *extra: str):
 
 
 def params(t) -> list:
-    return [p.detach().clone() for p in t.gpt.parameters()]
+    return [p.detach().clone() for p in t.module.parameters()]
 
 
 def record_steps(t) -> dict:
@@ -470,8 +470,8 @@ def record_steps(t) -> dict:
 def nan_at(t, *steps: int) -> None:
     """The loss of the given (1-based) steps becomes NaN. The LM computes its loss inside the
     model's forward (GPT.head_loss), so the poison goes there."""
-    inner = t.gpt.head_loss
-    t.gpt.head_loss = lambda x, y: inner(x, y) * (float("nan") if t.step + 1 in steps else 1.0)
+    inner = t.module.head_loss
+    t.module.head_loss = lambda x, y: inner(x, y) * (float("nan") if t.step + 1 in steps else 1.0)
 
 
 def names(run_dir: Path) -> list[str]:

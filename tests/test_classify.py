@@ -180,7 +180,7 @@ def test_a_classifiers_eval_through_a_pipe_says_how_far_it_is(trained, capsys):
     language model's `distlm eval` does), instead of nothing until the end."""
     from distlm.tasks.classify.predict import predict_probs
     rows = trained.task.val_data
-    probs = predict_probs(trained.gpt, rows["tokens"], rows["lengths"], torch.device("cpu"), batch_size=10, desc="eval")
+    probs = predict_probs(trained.module, rows["tokens"], rows["lengths"], torch.device("cpu"), batch_size=10, desc="eval")
     assert probs.shape == (120, 4)
     assert capsys.readouterr().err.splitlines() == [f"eval: {n}/12 batches" for n in (2, 3, 4, 5, 6, 8, 9, 10, 11)]
 
@@ -262,8 +262,8 @@ def test_trunk_starts_from_an_lm_checkpoint(root, toy):
                                             f"task.init_from={root / 'lm'}", f"log.root={root}", "log.name=ft",
                                             "train.max_steps=1"]))
     assert cls.cfg.model.n_layer == 1 and cls.cfg.model.d_model == 32
-    lm_params = dict(lm.gpt.named_parameters())
-    for name, p in cls.gpt.named_parameters():
+    lm_params = dict(lm.module.named_parameters())
+    for name, p in cls.module.named_parameters():
         if not name.startswith("cls_head."):
             assert torch.equal(p, lm_params[name]), name
 

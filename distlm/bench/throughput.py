@@ -177,7 +177,7 @@ def run_bench(cfg, warmup: int, steps: int, comm_probe: bool = True, profile_dir
         "layout": dims.degrees(),
         "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "block_size": cfg.model.block_size,
                   # a pipeline rank holds only part of the model: count the whole one
-                  "params": trainer.stepper.num_params(trainer.gpt, cfg, non_embedding=False)},
+                  "params": trainer.stepper.num_params(trainer.module, cfg, non_embedding=False)},
         "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
         "accum_steps": trainer.loader.accum_steps, "compile": cfg.train.compile,
         "compile_scope": cfg.train.compile_scope, "loss_chunk": cfg.model.loss_chunk,

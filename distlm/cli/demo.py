@@ -74,7 +74,7 @@ def demo(
     prompts, texts = ("It was a dark and stormy night", "The king said", "Call me Ishmael."), []
     for i, prompt in enumerate(prompts):
         sc = SamplingConfig(max_new_tokens=60, temperature=0.8, top_k=50, seed=i)
-        texts.append(generate_text(trainer.gpt, tok, prompt, sc)[0])
+        texts.append(generate_text(trainer.module, tok, prompt, sc)[0])
         print(f"  >> {prompt}{texts[-1]}".replace("\n", " "))
     run_dir = Path(summary["run_dir"])
     append_samples(run_dir / "samples.txt", trainer.step, "60 new tokens, temperature 0.8, top-k 50, sample i "

@@ -10,5 +10,5 @@ def run_context(trainer) -> RunContext:
     return RunContext(cfg=trainer.cfg, dims=trainer.dims, device=trainer.device, run_dir=trainer.run_dir,
                       step=trainer.step, model=trainer.model, compute=trainer.compute,
                       eval_losses=lambda batches: trainer.stepper.eval_losses(batches, trainer.compute),
-                      mean=trainer.comm.mean, whole_model=trainer.gpt if why is None else None,
+                      mean=trainer.comm.mean, whole_model=trainer.module if why is None else None,
                       no_whole_model=why)

@@ -114,9 +114,11 @@ class Trainer:
         clock.lap("run folder")
         # four laps: compiler import, model plan, weights, data-parallel wrap
         self.plan = build_model(cfg, self.dims, self.device, self.task, clock)
-        self.model, self.gpt, self.stepper = self.plan.model, self.plan.module, self.plan.step
+        # model: what the step calls (DDP-wrapped, sharded); module: the plain model inside it (a GPT or a
+        # classifier), for its own methods and parameters
+        self.model, self.module, self.stepper = self.plan.model, self.plan.module, self.plan.step
         # model.moe: the routing biases' update after each step, and the experts' load for the log.
-        self.balance = ExpertBalance.of(self.gpt, cfg.model)
+        self.balance = ExpertBalance.of(self.module, cfg.model)
         if self.balance is not None:
             self.balance.attach()
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
@@ -143,7 +145,7 @@ class Trainer:
         self.verified = ckpt.VerifiedFiles()
         self._last_saved_step: Optional[int] = None
         self._failed_save: Optional[tuple[int, str]] = None  # (step, cause) of the latest failed save
-        self.flops_per_token = flops_per_token(cfg.model, self.stepper.num_params(self.gpt, cfg))
+        self.flops_per_token = flops_per_token(cfg.model, self.stepper.num_params(self.module, cfg))
         self.peak = peak_tflops(self.device)  # None where the table does not name the device: MFU n/a
         self.resumed_from = self._maybe_resume()
         self.optimizer = self.engine.wrap_optimizer(self.optimizer, self.model, self.loader.accum_steps, cfg.parallel)
@@ -372,7 +374,7 @@ class Trainer:
             bar = ProgressBar(progress.at(self.step, t_start))
         say = bar.write if bar is not None else print
         if main:
-            say(f"run {self.run_dir} | {self.gpt.num_params(False) / 1e6:.2f}M params | device {self.device} "
+            say(f"run {self.run_dir} | {self.module.num_params(False) / 1e6:.2f}M params | device {self.device} "
                 f"x{self.dims.world_size} | dtype {self.amp_dtype or torch.float32} | "
                 f"{self.loader.accum_steps} micro-steps/step | FLOPs/token 6N+12LdT = {self.flops_per_token / 1e9:.4f} G"
                 + (" (N: active parameters; MFU counts them)" if cfg.model.moe.enabled else "")

@@ -35,7 +35,7 @@ def _timeout_s(group) -> float:
 
 def inspect_model(trainer: Trainer) -> dict:
     """What the tests check before the first step. Collective (full_tensor)."""
-    gpt, dims = trainer.gpt, trainer.dims
+    gpt, dims = trainer.module, trainer.dims
     ref = build_model(trainer.cfg, ParallelDims(), torch.device("cpu"), trainer.task)[1]  # the single-process init
     ref_params = dict(ref.named_parameters())
     mismatched = [n for n, p in gpt.named_parameters() if not torch.equal(_full(p.detach()), ref_params[n])]
@@ -171,7 +171,7 @@ def run(job: dict) -> list[dict]:
         if job.get("count_collectives") and trainer.dims.tp > 1 and trainer.stepper.parts is None:
             info["update_collectives"] = update_collectives(trainer)
     trainer.train()
-    info["tied_after_training"] = _tied(trainer.gpt)
+    info["tied_after_training"] = _tied(trainer.module)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, info)
     return gathered

@@ -204,7 +204,7 @@ def test_torchrun_restart_resumes_and_matches(root, reference, two):
 
 def test_resume_four_ranks_to_one_process(root, reference, four):
     t = train_here(overrides(root, "fsdp4_to_1", "train.micro_batch_size=8", f"train.resume={ckpt(root, 'fsdp4', SAVE_AT)}"))
-    assert t.resumed_from == ckpt(root, "fsdp4", SAVE_AT) and t.gpt.head.weight is t.gpt.tok_emb.weight
+    assert t.resumed_from == ckpt(root, "fsdp4", SAVE_AT) and t.module.head.weight is t.module.tok_emb.weight
     assert_matches(root / "fsdp4_to_1", reference, steps=range(SAVE_AT + 1, STEPS + 1))
 
 

@@ -342,7 +342,7 @@ def test_training_in_float8_follows_bf16(tmp_path, tiny_data):
         t = Trainer(load_config("tiny", base + [f"train.fp8={mode}", f"log.name={mode}",
                                                 f"train.compile={str(compiled).lower()}"]))
         assert t.train()["step"] == 60
-        assert sum(isinstance(m, Float8Linear) for m in t.gpt.modules()) == (0 if mode == "off" else 4 * 6)
+        assert sum(isinstance(m, Float8Linear) for m in t.module.modules()) == (0 if mode == "off" else 4 * 6)
         curves[mode] = logged_losses(tmp_path / mode)
     assert curves["off"][-1] < 1.0, curves["off"]  # it learned
     for mode in ("tensorwise", "rowwise"):

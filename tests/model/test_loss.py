@@ -87,11 +87,11 @@ def test_optimized_path_trains_like_the_plain_path(tmp_path):
     the eager model with separate q/k/v and the whole logits: same losses and gradient
     norms, step after step, to float rounding (Inductor reorders sums)."""
     plain, t = losses(tmp_path, "plain", [])
-    assert t.gpt.blocks["0"].attn.fused_qkv  # the default path fuses q/k/v
+    assert t.module.blocks["0"].attn.fused_qkv  # the default path fuses q/k/v
     from distlm.train.trainer import Trainer
     cfg = load_config("tiny", TINY + [f"log.root={tmp_path}", "log.name=unfused"])
     u = Trainer(cfg)
-    for block in u.gpt.blocks.values():
+    for block in u.module.blocks.values():
         block.attn.fused_qkv = False
     ref = [(float(a), float(b)) for a, b in (u.train_step() for _ in range(4))]
     fast, _ = losses(tmp_path, "fast", ["train.compile=true", "train.compile_scope=model", "model.loss_chunk=12"])

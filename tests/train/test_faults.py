@@ -286,7 +286,7 @@ def test_nan_stop_names_step_and_tensors_and_keeps_checkpoint(tmp_path):
 
 def inf_in(t: Trainer, step: int) -> str:
     """Only one parameter's gradient becomes non-finite at ``step`` (the loss stays finite)."""
-    name, p = [(n, p) for n, p in t.gpt.named_parameters() if n.startswith("blocks.1.") and p.ndim == 2][-1]
+    name, p = [(n, p) for n, p in t.module.named_parameters() if n.startswith("blocks.1.") and p.ndim == 2][-1]
     p.register_hook(lambda g: g * float("inf") if t.step + 1 == step else g)
     return name
 

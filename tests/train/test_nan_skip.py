@@ -140,7 +140,7 @@ def make_trainer(root: Path, name: str, *extra: str) -> Trainer:
 
 def poison(t: Trainer, *steps: int) -> None:
     """The first parameter's gradient is NaN at the given (1-based) steps; the loss stays finite."""
-    p = next(t.gpt.parameters())
+    p = next(t.module.parameters())
     p.register_hook(lambda g: g * float("nan") if t.step + 1 in steps else g)
 
 
@@ -174,7 +174,7 @@ def record(t: Trainer, step: int) -> dict:
     seen, inner = {}, t.train_step
 
     def train_step(*a, **k):
-        params = list(t.gpt.parameters())
+        params = list(t.module.parameters())
         if t.step + 1 == step:
             seen["before"] = snapshot(params, t.optimizer)
         out = inner(*a, **k)

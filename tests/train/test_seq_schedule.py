@@ -76,7 +76,7 @@ def test_a_warm_up_step_is_the_models_loss_on_the_rows(tmp_path, tiny_data, extr
     t = Trainer(cfg)
     t.step = t.loader.step = 2  # as a run resumed at step 2, which trains on rows of 8
     micro = t.loader.micro_batches(2)
-    before = copy.deepcopy(t.gpt)
+    before = copy.deepcopy(t.module)
     loss, grad_norm = t.train_step()
 
     n_micro = len(micro)
@@ -102,8 +102,8 @@ def test_the_document_mask_is_cut_with_the_rows(tmp_path, tiny_data, capsys):
                                              f"log.root={tmp_path}", "log.name=d"])
     t = Trainer(cfg)
     seen = []
-    mask_of = t.gpt.attention_mask
-    t.gpt.attention_mask = lambda idx, *a, **k: seen.append(mask_of(idx, *a, **k).shape) or mask_of(idx, *a, **k)
+    mask_of = t.module.attention_mask
+    t.module.attention_mask = lambda idx, *a, **k: seen.append(mask_of(idx, *a, **k).shape) or mask_of(idx, *a, **k)
     out = t.train()
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("seq warm-up")]
     assert said == ["seq warm-up: step 1 -> rows of 4 tokens (4 per block of 16)",
@@ -166,7 +166,7 @@ def test_resume_across_a_stage_boundary_is_bit_exact(tmp_path, tiny_data):
     for ra, rb in zip(a, b):
         assert (ra["loss"], ra["grad_norm"], ra["lr"], ra["val_loss"]) == \
                (rb["loss"], rb["grad_norm"], rb["lr"], rb["val_loss"]), ra["step"]
-    sa, sb = full.gpt.state_dict(), resumed.gpt.state_dict()
+    sa, sb = full.module.state_dict(), resumed.module.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
