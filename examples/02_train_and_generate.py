@@ -25,5 +25,5 @@ summary = trainer.train()
 print(f"trained to step {summary['step']}: val loss {summary['val_loss']:.3f}")
 
 tok = load_tokenizer(trainer.manifest["tokenizer"]["name"], out / "data")
-sample = generate_text(trainer.gpt, tok, "The cat", SamplingConfig(max_new_tokens=20, temperature=0.5, seed=0))[0]
+sample = generate_text(trainer.module, tok, "The cat", SamplingConfig(max_new_tokens=20, temperature=0.5, seed=0))[0]
 print("The cat" + sample)

@@ -117,7 +117,7 @@ def test_an_axis_joins_by_registration_alone(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    pkg = Path(__file__).resolve().parents[1] / "distlm"
+    pkg = Path(__file__).resolve().parents[2] / "distlm"
     copy = tmp_path / "distlm"
     shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
     (copy / "layout" / "ring.py").write_text(RING_AXIS)

@@ -124,11 +124,18 @@ def two(worlds):
     return worlds.results(__name__, 2)
 
 
+# The gradient norm after the first update: the split attention's fp32 rounding (about 1e-6 on the
+# first step's norm) grows through each step's update; on some CPUs the Llama-style model's norm at
+# step 4 differed by 4e-5 relative while every loss stayed within TOL.
+LATER_NORM_TOL = 1e-4
+
+
 def assert_close(name: str, got: list, want: list) -> None:
     assert len(got) == len(want), (name, got)
     for step, (a, b) in enumerate(zip(got, want), 1):
         for what, u, v in zip(("loss", "grad_norm"), a, b):
-            assert math.isclose(u, v, rel_tol=TOL, abs_tol=TOL), f"{name} step {step} {what}: {u!r} vs {v!r}"
+            tol = LATER_NORM_TOL if what == "grad_norm" and step > 1 else TOL
+            assert math.isclose(u, v, rel_tol=tol, abs_tol=tol), f"{name} step {step} {what}: {u!r} vs {v!r}"
 
 
 @pytest.mark.parametrize("name", ["cp2_gpt2", "cp2_llama", "cp2_sinus", "cp2_modern", "cp2_checkpointed_compiled_llama"])

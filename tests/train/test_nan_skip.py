@@ -99,7 +99,7 @@ def test_each_optimizer_leaves_a_flagged_step_out_bit_for_bit(name, device):
     for _ in range(2):  # one optimizer handed found_inf=0 on its good steps, one handed nothing
         model, cfg = _model_and_cfg(name)
         model = model.to(device)
-        runs.append((model, spec.build(model, cfg, BuildContext("cuda", ns_dtype=torch.float32))))
+        runs.append((model, spec.build(model, cfg, BuildContext("cuda"))))
     (flagged_model, flagged), (plain_model, plain) = runs
     gen = torch.Generator().manual_seed(1)
     params = list(flagged_model.parameters())
