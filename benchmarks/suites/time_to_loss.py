@@ -84,6 +84,16 @@ ABLATIONS = {
     # groups for the grouped matmul, half the routed weights for Muon to orthogonalise.
     "moe8": "model.moe.experts=8 model.moe.top_k=2 model.moe.d_ff=1024 model.moe.shared=1 model.moe.first_dense=1 "
             "model.moe.bias_rate=0.005",
+    # moe8 with the routing biases moving 4x as fast: the load evener sooner in a 600-step run.
+    "moe8b": "model.moe.experts=8 model.moe.top_k=2 model.moe.d_ff=1024 model.moe.shared=1 model.moe.first_dense=1 "
+             "model.moe.bias_rate=0.02",
+    # Four wide experts, one a token, beside a shared one of the same width (1536 + 1536 = 3072):
+    # the fewest groups and the least routing for the same active width.
+    "moe4": "model.moe.experts=4 model.moe.top_k=1 model.moe.d_ff=1536 model.moe.shared=1 model.moe.first_dense=1 "
+            "model.moe.bias_rate=0.005",
+    # moe8 in every other block (blocks 1, 3, ...; the rest dense): half the routing's cost.
+    "moe8e2": "model.moe.experts=8 model.moe.top_k=2 model.moe.d_ff=1024 model.moe.shared=1 model.moe.first_dense=1 "
+              "model.moe.every=2 model.moe.bias_rate=0.005",
     "s500": "train.max_steps=500", "s540": "train.max_steps=540", "s600": "train.max_steps=600",
 }
 
