@@ -1,5 +1,5 @@
 # The two set-up commands. Both work on a fresh machine with no network beyond PyPI.
-.PHONY: run test install install-dev horovod clean
+.PHONY: run test test-lab install install-dev horovod clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,7 +19,11 @@ run: $(VENV)/.installed
 	$(VENV)/bin/distlm demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q tests benchmarks/tests
+	$(PY) -m pytest -q tests
+
+# The lab's instruments (benchmarks/tools) have their own tests, apart from the product's suite.
+test-lab: $(VENV)/.installed-dev
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q benchmarks/tests
 
 # Horovod 0.28.1 (patched to build against torch >= 2.1), cached; see scripts/build_horovod.sh
 horovod: $(VENV)/.installed-dev

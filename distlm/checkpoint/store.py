@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
+from torch.distributed.tensor import DTensor
 
 from distlm.checkpoint.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401 (re-exported)
                                       NonFiniteCheckpoint)
@@ -52,6 +53,7 @@ from distlm.checkpoint.verify import (VerifiedFiles, marker_text, pruned_meanwhi
 from distlm.host import local_ranks, usable_cores
 from distlm.io import _umask, atomic_write_text, write_new
 from distlm.local_shard import local_shard
+from distlm.model.memory import host_available_bytes
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -170,7 +172,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
             return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
         lap = lap or (lambda name: None)
         lap("checkpoint state")
-        _check_written(dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(tmp)), final)
+        state = _staged_on_host({"model": model_sd, "optim": optim_sd})
+        _check_written(dcp.save(state, storage_writer=_writer(tmp)), final)
+        del state
         lap("checkpoint write")
         _finalize(ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo, lap)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -182,6 +186,41 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
             discard(tmp)
         raise
     return final
+
+
+def _staged_on_host(state: dict) -> dict:
+    """The state to write, its plain device tensors first copied to host memory where the copy
+    fits in a quarter of what this host has free (shared among its local ranks). Written from
+    the device, each tensor is copied to the host by the writer thread that holds it, one at a
+    time between its writes; from a host copy the threads only serialise and write. On one
+    H200 the copy and the write of speedrun-124m's 3.0 GB of state together take less than the
+    write from the device (benchmarks/tools/final_save.py, docs/results/time-to-loss.md).
+    DTensors (FSDP2, TP) keep their shards where they are, as does a state too large to copy."""
+    moved = [t for t in _tensor_leaves(state) if t.device.type != "cpu" and not isinstance(t, DTensor)]
+    need = sum(t.numel() * t.element_size() for t in moved)
+    if not moved or need > host_available_bytes() // (4 * local_ranks(os.environ)):
+        return state
+
+    def host(x):
+        if isinstance(x, dict):
+            return {k: host(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(host(v) for v in x)
+        if isinstance(x, torch.Tensor) and x.device.type != "cpu" and not isinstance(x, DTensor):
+            return x.detach().cpu()
+        return x
+    return host(state)
+
+
+def _tensor_leaves(x) -> Iterator[torch.Tensor]:
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _tensor_leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensor_leaves(v)
+    elif isinstance(x, torch.Tensor):
+        yield x
 
 
 # The temporary folder a checkpoint is written into: TEMP_PREFIX + the step + "-" + a random part.

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import fault_harness as fh
 from distlm.checkpoint import store as ckpt
@@ -173,3 +174,30 @@ def test_train_runs_with_python_level_stderr_redirected(tmp_path):
         assert t.train()["step"] == 2
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_state_is_staged_on_the_host_before_the_write_and_loads_back_the_same(tmp_path, monkeypatch):
+    """The write is handed host tensors where the copy fits, the device's own where it does not;
+    either way the checkpoint loads back bit for bit."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    devices: list[set] = []
+    real_save = ckpt.dcp.save
+
+    def spy(state, **kw):
+        devices.append({t.device.type for t in ckpt._tensor_leaves(state)})
+        return real_save(state, **kw)
+
+    monkeypatch.setattr(ckpt.dcp, "save", spy)
+    first = ckpt.save_checkpoint(tmp_path / "ckpt", 1, model, opt, {"step": 1})
+    monkeypatch.setattr(ckpt, "host_available_bytes", lambda: 1024)  # too little to copy it
+    ckpt.save_checkpoint(tmp_path / "ckpt", 2, model, opt, {"step": 2})
+    assert devices == [{"cpu"}, {"cuda", "cpu"}]
+    again = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    ckpt.load_checkpoint(first, again, torch.optim.AdamW(again.parameters()))
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
