@@ -38,7 +38,7 @@ from distlm.optim.muon import Muon, newton_schulz
 from distlm.optim import REGISTRY
 from distlm.train.optim import build_optimizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The demo's model and schedule on random tokens of the demo's vocabulary: no corpus to prepare.
 DEMO_SYNTHETIC = ["data.source=synthetic", "model.vocab_size=4096", "train.device=cpu", "log.samples=0"]
 # bf16 keeps 8 significant bits: one rounding is at most 2^-8 relative. Five Newton-Schulz
