@@ -291,10 +291,6 @@ class ValSet:
         k = self.split_blocks / self.n_blocks
         return int(k) if k.is_integer() else k
 
-    @property
-    def rank_rows(self) -> int:
-        return sum(self.weights)
-
     def block_ids(self, chunk: int) -> list[int]:
         """The split's block ids in global micro-batch ``chunk`` (integer arithmetic: no overflow)."""
         lo = chunk * self.micro_batch
