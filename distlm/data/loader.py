@@ -316,10 +316,6 @@ class ValSet:
         for c, w in zip(self.chunks, self.weights):
             yield (*self._pair(c), w)
 
-    @property
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(self)
-
     def describe(self) -> str:
         """e.g. '1,234 blocks (every 7th of 8,640), 157,952 tokens'."""
         n, split = self.n_blocks, self.split_blocks
