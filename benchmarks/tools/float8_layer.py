@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from distlm.config import load_config  # noqa: E402
-from distlm.bench.timing import median_seconds  # noqa: E402
+from timing import median_seconds  # noqa: E402
 from distlm.model.float8 import E4M3, E5M2, RECIPES, float8_linear  # noqa: E402
 
 

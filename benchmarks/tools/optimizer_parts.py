@@ -52,8 +52,7 @@ def use_code(code: Path) -> None:
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() over repeats, after two warm-up calls. Not distlm.bench.timing's:
-    with --before this runs against an older copy of distlm, which may not have it."""
+    """Median seconds of fn() over repeats, after two warm-up calls."""
     for _ in range(2):
         fn()
     times = []

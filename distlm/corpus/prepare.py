@@ -68,8 +68,7 @@ from distlm.corpus.shards import ShardWriter as _ShardWriter  # noqa: F401 (test
 from distlm.corpus.sources import input_files, plan_units, pretokenized_inputs, resolve_inputs, source_files
 from distlm.corpus.split import SPLITS, TRAIN, VAL, fallback
 from distlm.corpus.units import Unit
-from distlm.data import (FORMAT_VERSION, MANIFEST, DataError, load_manifest, read_json,  # noqa: F401 (re-exported)
-                         same_tokenizer, shards_present, verify_shards)
+from distlm.data import MANIFEST, DataError, read_json, shards_present
 from distlm.data import tokenizer as tkz
 from distlm.host import usable_cores
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distlm.corpus.formats import SourceStats, _file_docs, _hf_docs, hf_arrow_files, split_documents
-from distlm.corpus.formats import BINARY_PROBE, TAR_SUFFIXES, decode_text  # noqa: F401 (re-exported)
-from distlm.corpus.pretokenized import LLMC_HEADER_BYTES, LLMC_MAGIC, LLMC_VERSION  # noqa: F401 (re-exported)
+from distlm.corpus.formats import decode_text  # noqa: F401 (re-exported)
 from distlm.corpus.pretokenized import pretokenized_inputs, read_token_file  # noqa: F401 (re-exported)
-from distlm.corpus.units import RANGE_KINDS, UNIT_KINDS, Unit, plan_units  # noqa: F401 (re-exported)
+from distlm.corpus.units import RANGE_KINDS, Unit, plan_units  # noqa: F401 (re-exported)
 from distlm.corpus.units import read_range, text_blocks, unit_documents  # noqa: F401 (re-exported)
 from distlm.corpus.units import _line_cut, _piece_cut, _separator_cut  # noqa: F401 (tests use them here)
 from distlm.data import DataError, read_json

@@ -22,7 +22,6 @@ from distlm.corpus.formats import (BINARY_PROBE, TAR_SUFFIXES, SourceStats, _fil
                                  _parquet_docs, decode_text, split_documents)
 from distlm.data import DataError
 
-UNIT_KINDS = ("files", "lines", "split", "rows", "piece", "hash")
 RANGE_KINDS = ("lines", "split", "rows", "piece")  # a part of one file
 _PROBE_STEP = 1 << 16  # bytes read at a time when looking for a place to cut a file
 _PIECE_CUT = re.compile(rb"[\x21-\x7e](?=[ \n])")  # a printable ASCII character, then a space or newline

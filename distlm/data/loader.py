@@ -291,10 +291,6 @@ class ValSet:
         k = self.split_blocks / self.n_blocks
         return int(k) if k.is_integer() else k
 
-    @property
-    def rank_rows(self) -> int:
-        return sum(self.weights)
-
     def block_ids(self, chunk: int) -> list[int]:
         """The split's block ids in global micro-batch ``chunk`` (integer arithmetic: no overflow)."""
         lo = chunk * self.micro_batch
@@ -319,10 +315,6 @@ class ValSet:
     def weighted(self):
         for c, w in zip(self.chunks, self.weights):
             yield (*self._pair(c), w)
-
-    @property
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(self)
 
     def describe(self) -> str:
         """e.g. '1,234 blocks (every 7th of 8,640), 157,952 tokens'."""

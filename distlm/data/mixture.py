@@ -260,17 +260,6 @@ class MixtureLoader(RankBatches):
         return np.stack([self.sources[s].train.block(int(i)) for s, i in zip(src, ids)])
 
     # ---- what the log says --------------------------------------------------------------
-    def step_counts(self, step: int) -> dict[str, int]:
-        """Rows of each source in the global batch of ``step``."""
-        a = self.schedule.counts(step * self.global_batch)
-        b = self.schedule.counts((step + 1) * self.global_batch)
-        return {name: hi - lo for name, lo, hi in zip(self.names, a, b)}
-
-    def epochs(self, step: int) -> dict[str, float]:
-        """Epochs of each source completed before ``step`` (1.5 = once and a half through)."""
-        done = self.schedule.counts(step * self.global_batch)
-        return {name: c / n for name, c, n in zip(self.names, done, self.sizes)}
-
     def epoch_events(self, step: int) -> list[str]:
         """One message per source whose next epoch starts within the global batch of ``step``:
         from there on that source's blocks repeat. Empty for most steps."""

@@ -141,11 +141,6 @@ class Layout:
         return self._roles(lambda a: a.gradient_role(self) == "shard")
 
     @property
-    def gradient_axes(self) -> tuple[str, ...]:
-        """Every dimension the gradients are averaged over."""
-        return self._roles(lambda a: a.gradient_role(self) is not None)
-
-    @property
     def dp_size(self) -> int:
         """The data-parallel degree: how many different local batches a step reads."""
         return self._product(self.data_axes)
@@ -203,11 +198,6 @@ class Layout:
     @property
     def holds_whole_model(self) -> bool:
         return self.why_not_whole_model is None
-
-    @property
-    def splits_nothing(self) -> bool:
-        """Every rank runs the whole model on whole rows: only data replication, if anything."""
-        return self.holds_whole_model and not self.splits_forward and not self.splits_sequence
 
     def sequence_divisor(self, cfg) -> int:
         """What every row length must be a multiple of (each splitting axis cuts it further)."""

@@ -80,6 +80,3 @@ class MatmulDtypeProbe:
                 fastest = torch.bfloat16 if seconds[torch.bfloat16] <= seconds[torch.float32] else torch.float32
                 self._chosen[key] = DtypeChoice(fastest, seconds)
         return self._chosen[key]
-
-    def fastest(self, device: torch.device) -> torch.dtype:
-        return self.choose(device).dtype

@@ -246,10 +246,6 @@ class Watchdog:
                 out.flush()
                 os._exit(124)
 
-    def banner(self) -> str:
-        return (f"watchdog: a rank with no progress for {self.seconds:g} s prints its Python stack and exits "
-                f"(train.watchdog_s)")
-
 
 def nonfinite_grads(model: torch.nn.Module, limit: int = 8) -> list[str]:
     """Names of parameters whose (local shard of the) gradient holds NaN or Inf."""

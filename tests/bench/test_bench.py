@@ -208,7 +208,7 @@ def test_time_to_loss_splits_the_global_batch_over_the_gpus(capsys):
     cmds = [c for c in map(distlm_commands, lines) if c and c[0] == "train"]
     ddp, fsdp = (load_config_of(c) for c in cmds)
     assert (ddp.parallel.dp_replicate, ddp.train.global_batch_size, ddp.train.micro_batch_size) == (4, 64, 16)
-    # the preset sets no micro-batch: auto takes the local batch whole (tests/test_speedrun_preset.py)
+    # the preset sets no micro-batch: auto takes the local batch whole (tests/train/test_speedrun_preset.py)
     assert (fsdp.parallel.dp_shard, fsdp.train.micro_batch_size, fsdp.train.compile_scope) == (2, None, "block")
 
 

@@ -3,7 +3,7 @@
 Prepare and train run as processes, and so does what a test reads through a pipe; the verbs
 after them (eval, generate, plot) and the refusals run through the CLI's entry point in this
 process (each `python -m distlm` pays seconds of imports), their exit codes the ones it returns.
-The exit status and lines of a refusal as a process: tests/test_cli_user_errors.py."""
+The exit status and lines of a refusal as a process: tests/cli/test_user_errors.py."""
 import json
 import os
 import re

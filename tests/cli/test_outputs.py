@@ -90,7 +90,7 @@ def test_short_run_says_log_every_changed_and_eval_covers_every_block(tiny_data,
 
 
 def test_predict_writes_into_the_run_folder(tmp_path, monkeypatch, capsys):
-    from test_classify import TINY as CLASSIFY, toy_rows, write_csv
+    from helpers.classify_data import TINY as CLASSIFY, toy_rows, write_csv
 
     from distlm.tasks.classify.data import prepare_classify
     from distlm.train.trainer import Trainer

@@ -182,7 +182,7 @@ def test_validation_set_is_the_same_for_every_world_size(tmp_path, n_batches):
         # What the Trainer does: each rank sums (micro-batch mean x weight) and weights, then
         # the sums are reduced; a per-row statistic stands in for the loss.
         sums = sum(float(x[:, 0].double().mean()) * w for s in sets for x, _, w in s.weighted())
-        count = sum(s.rank_rows for s in sets)
+        count = sum(sum(s.weights) for s in sets)
         assert count == ref.n_blocks and sums / count == pytest.approx(ref_mean, rel=1e-12)
     assert ref.n_blocks == (20 if n_batches else 88)  # the whole split keeps whole micro-batches
 

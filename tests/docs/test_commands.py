@@ -60,7 +60,7 @@ PLACEHOLDERS = {
 NOT_RUN = {
     "torchrun": "several processes, usually GPUs; the layouts run in tests/layout/test_data.py and "
                 "tests/layout/test_tensor.py",
-    "--nproc-per-node": "several processes, usually GPUs; tests/test_launch_local.py runs it on 2 CPU ranks",
+    "--nproc-per-node": "several processes, usually GPUs; tests/launch/test_local.py runs it on 2 CPU ranks",
     "horovodrun": "needs the Horovod build (make horovod); tests/parallel/test_horovod.py runs the engine",
     "sbatch": "needs a SLURM cluster; the dry run of the same script runs here, tests/launch/test_slurm.py the rest",
     "srun": "needs a SLURM cluster",
@@ -354,7 +354,7 @@ def tiny_corpus(out: Path) -> Path:
 def tiny_news(cwd: Path, per_label: int = 40) -> Path:
     """The vendored 20 Newsgroups set cut to `per_label` posts of each topic and split: what
     `distlm train --config classify` prepares on first use here (all 17k posts, and an
-    evaluation over 6,935, take minutes; tests/test_classify.py covers the whole set's path)."""
+    evaluation over 6,935, take minutes; tests/tasks/test_classify.py covers the whole set's path)."""
     import lzma
     from distlm.tasks.classify.data import DEFAULT_DATA
     kept, count = [], {}

@@ -18,25 +18,25 @@ PARTIAL_EXPERTS = "under expert parallelism each rank holds some of the experts,
 
 
 # ---- the named questions -----------------------------------------------------------------
-@pytest.mark.parametrize("lay, name, dp, unsplit, forward, shards, own_loss, logits, partial", [
-    (Layout(), "single", 1, True, False, False, True, False, None),
-    (Layout(dp_replicate=4), "ddp4", 4, True, False, False, True, False, None),
-    (Layout(dp_shard=4), "fsdp4", 4, False, True, True, True, False, PARTIAL_SHARDS),
-    (Layout(dp_replicate=2, dp_shard=2), "ddp2xfsdp2", 4, False, True, True, True, False, PARTIAL_SHARDS),
-    (Layout(tp=2), "tp2", 1, False, True, False, False, True, PARTIAL_SHARDS),
-    (Layout(pp=2), "pp2", 1, False, True, False, False, False, PARTIAL_STAGES),
+@pytest.mark.parametrize("lay, name, dp, forward, shards, own_loss, logits, partial", [
+    (Layout(), "single", 1, False, False, True, False, None),
+    (Layout(dp_replicate=4), "ddp4", 4, False, False, True, False, None),
+    (Layout(dp_shard=4), "fsdp4", 4, True, True, True, False, PARTIAL_SHARDS),
+    (Layout(dp_replicate=2, dp_shard=2), "ddp2xfsdp2", 4, True, True, True, False, PARTIAL_SHARDS),
+    (Layout(tp=2), "tp2", 1, True, False, False, True, PARTIAL_SHARDS),
+    (Layout(pp=2), "pp2", 1, True, False, False, False, PARTIAL_STAGES),
     # the outermost axis answers first: a stage, although its blocks are sharded too
-    (Layout(dp_shard=2, tp=2, pp=2), "fsdp2xtp2xpp2", 2, False, True, True, False, True, PARTIAL_STAGES),
+    (Layout(dp_shard=2, tp=2, pp=2), "fsdp2xtp2xpp2", 2, True, True, False, True, PARTIAL_STAGES),
     # the cp ranks read the same rows (dp 1) and shard the parameters (FSDP2 over them)
-    (Layout(cp=2), "cp2", 1, False, True, True, True, False, PARTIAL_CONTEXT),
-    (Layout(dp_shard=2, tp=2, cp=2), "fsdp2xtp2xcp2", 2, False, True, True, False, True, PARTIAL_SHARDS),
+    (Layout(cp=2), "cp2", 1, True, True, True, False, PARTIAL_CONTEXT),
+    (Layout(dp_shard=2, tp=2, cp=2), "fsdp2xtp2xcp2", 2, True, True, False, True, PARTIAL_SHARDS),
     # the ep ranks read different rows and run whole blocks, each with some of the experts
-    (Layout(ep=2), "ep2", 2, False, False, False, True, False, PARTIAL_EXPERTS),
-    (Layout(dp_shard=2, ep=2), "fsdp2xep2", 4, False, True, True, True, False, PARTIAL_SHARDS),
+    (Layout(ep=2), "ep2", 2, False, False, True, False, PARTIAL_EXPERTS),
+    (Layout(dp_shard=2, ep=2), "fsdp2xep2", 4, True, True, True, False, PARTIAL_SHARDS),
 ])
-def test_each_layout_answers_by_name(lay, name, dp, unsplit, forward, shards, own_loss, logits, partial):
+def test_each_layout_answers_by_name(lay, name, dp, forward, shards, own_loss, logits, partial):
     assert lay.name == name and lay.dp_size == dp
-    assert lay.splits_nothing is unsplit and lay.splits_forward is forward and lay.shards_parameters is shards
+    assert lay.splits_forward is forward and lay.shards_parameters is shards
     assert lay.model_computes_loss is own_loss and lay.distributes_logits is logits
     assert lay.why_not_whole_model == partial and lay.holds_whole_model is (partial is None)
     assert lay.splits_sequence is (lay.cp > 1)  # the one axis that cuts the rows
@@ -50,7 +50,7 @@ def test_the_meshes_each_role_uses():
     # ep's role follows the data shards: with FSDP2 it is sharded over with them, with DDP replicated
     assert (lay.replicate_axes, lay.shard_axes) == (("dp_replicate",), ("dp_shard", "ep", "cp"))
     assert Layout(dp_replicate=2, ep=2).replicate_axes == ("dp_replicate", "ep")
-    assert lay.gradient_axes == ("dp_replicate", "dp_shard", "ep", "cp") and lay.size == 16
+    assert lay.size == 16
     assert lay.loss_size == lay.dp_size == 4 and lay.shard_degree == 2
     assert lay.overrides() == "parallel.dp_replicate=2 parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"
 
@@ -155,7 +155,7 @@ def test_what_the_registry_derives():
 def test_parallel_dims_is_the_layout_with_a_place_in_it():
     dims = ParallelDims(2, 1, 1, 1, world_size=2, rank=1)
     assert isinstance(dims, Layout) and dims.degrees() == Layout(dp_replicate=2).degrees()
-    assert dims.splits_nothing and not dims.is_main and dims.dp_rank == 0  # no mesh: one data rank
+    assert not dims.is_main and dims.dp_rank == 0  # no mesh: one data rank
     with pytest.raises(Exception, match=r"dp_replicate=1 x dp_shard=1 x tp=1 x pp=1 x cp=1 x ep=1 = 1, but the world size is 2; "
                                         r"add parallel.dp_replicate=2 \(DDP\)"):
         ParallelDims(world_size=2)
@@ -167,7 +167,7 @@ def test_the_context_axis_answers_by_its_attributes():
     cfg = load_config(None, ["model.vocab_size=256"])
     lay = Layout(dp_shard=2, cp=2, tp=2)
     assert lay.name == "fsdp2xtp2xcp2" and lay.size == 8
-    assert lay.splits_sequence and not lay.splits_nothing
+    assert lay.splits_sequence
     assert lay.data_axes == ("dp_replicate", "dp_shard", "ep") and lay.dp_size == 2   # cp ranks read the same rows
     assert lay.loss_axes == ("dp_replicate", "dp_shard", "ep", "cp") and lay.loss_size == 4
     assert lay.shard_axes == ("dp_shard", "ep", "cp") and lay.shard_degree == 4

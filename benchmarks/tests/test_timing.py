@@ -1,7 +1,14 @@
-"""distlm.bench.timing: the median of timed calls, after untimed warm-up calls."""
-import torch
+"""benchmarks/tools/timing.py: the median of timed calls, after untimed warm-up calls."""
+import sys
+from pathlib import Path
 
-from distlm.bench import timing
+# The lab's tools import as top-level modules, this checkout's distlm first.
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "tools")]
+
+import torch  # noqa: E402
+
+import timing  # noqa: E402
 
 
 def test_median_of_the_timed_calls_after_the_warmup(monkeypatch):

@@ -23,7 +23,7 @@ from distlm.train.fast_defaults import (CPU_MICRO_CAP, GPU_MICRO_CAP, HEADROOM, 
                                         fast_defaults, memory_estimate)
 from distlm.train.resume_check import differences
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU80 = Device("cuda", 79.0)
 CPU = Device("cpu")
 ONE = ParallelDims()

@@ -1,6 +1,6 @@
 """task=classify: data, padding, training, DDP/FSDP2 = one process, eval/predict, bad input, bench.
 
-A toy 4-topic set (topic words in shared filler) keeps the training tests to seconds;
+A toy 4-topic set (tests/helpers/classify_data.py: topic words in shared filler) keeps the training tests to seconds;
 the vendored 20 Newsgroups set is only read by the preset test. Multi-process launches:
 one 2-rank torchrun for the DDP/FSDP2/resume jobs, and `bench --scaling 1,2` (two more).
 """
@@ -10,7 +10,6 @@ import csv
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -24,39 +23,10 @@ from distlm.config import ConfigError, load_config
 from distlm.tasks.classify.data import label_order, load_manifest, load_split, prepare_classify
 from distlm.model.classifier import Classifier, TextBatch
 from distlm.train.trainer import Trainer
+from helpers.classify_data import TINY, toy_rows, write_csv
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "classify_worker.py"
-TOPICS = {
-    "sport": "goal match team score coach league season player win referee stadium ball".split(),
-    "tech": "software computer chip network code server laptop program disk memory keyboard screen".split(),
-    "space": "orbit rocket planet moon launch star galaxy telescope nasa comet shuttle satellite".split(),
-    "health": "doctor patient disease vaccine hospital medicine nurse therapy virus clinic drug surgery".split(),
-}
-FILLER = "the a of and to in is was it for on that with as at by this from or be were".split()
-TINY = ["task=classify", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64",
-        "model.block_size=24", "model.position=learned", "model.tie_embeddings=false", "optim.adamw.lr=3e-3",
-        "train.min_lr_ratio=0.1", "train.warmup_steps=2", "log.progress=false", "log.tensorboard=false"]
-
-
-def toy_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        label = list(TOPICS)[i % 4]
-        words = [rng.choice(TOPICS[label]) for _ in range(rng.randint(2, 4))]
-        words += [rng.choice(FILLER) for _ in range(rng.randint(2, 14))]
-        rng.shuffle(words)
-        rows.append({"text": " ".join(words), "topic": label})
-    return rows
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return path
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "helpers" / "classify_worker.py"
 
 
 def one_thread(fn):
@@ -342,7 +312,7 @@ def test_bench_reports_time_per_epoch_at_one_and_two_ranks(root, toy, monkeypatc
     assert raw[1]["exposed_comm_s"] is not None
 
 
-# ---- CUDA (on a CUDA machine: python3 -m pytest -q -m gpu tests/test_classify.py) ----
+# ---- CUDA (on a CUDA machine: python3 -m pytest -q -m gpu tests/tasks/test_classify.py) ----
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_masked_bf16_attention_on_cuda_under_the_trainers_kernel_order():

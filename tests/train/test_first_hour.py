@@ -38,7 +38,7 @@ from distlm.optim.muon import Muon, newton_schulz
 from distlm.optim import REGISTRY
 from distlm.train.optim import build_optimizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The demo's model and schedule on random tokens of the demo's vocabulary: no corpus to prepare.
 DEMO_SYNTHETIC = ["data.source=synthetic", "model.vocab_size=4096", "train.device=cpu", "log.samples=0"]
 # bf16 keeps 8 significant bits: one rounding is at most 2^-8 relative. Five Newton-Schulz
@@ -97,7 +97,7 @@ def test_auto_picks_fp32_where_bf16_is_measured_slower_and_measures_once():
     resolved, line = resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), probe)
     assert resolved.optim.muon.ns_dtype == "fp32"
     assert line.startswith("optim.muon.ns_dtype=auto: fp32") and "bf16 46.40 ms, fp32 1.08 ms" in line
-    assert probe.fastest("cpu") is torch.float32 and len(calls) == 2  # cached: not measured again
+    assert probe.choose("cpu").dtype is torch.float32 and len(calls) == 2  # cached: not measured again
 
     fast_bf16 = MatmulDtypeProbe(measure=lambda d, dtype: {torch.bfloat16: 0.30e-3, torch.float32: 1.26e-3}[dtype])
     assert resolve_ns_dtype(cfg, torch.device("cpu"), OneComm(), fast_bf16)[0].optim.muon.ns_dtype == "bf16"
@@ -105,7 +105,7 @@ def test_auto_picks_fp32_where_bf16_is_measured_slower_and_measures_once():
     def never(device, dtype):
         raise AssertionError("CUDA is not timed: bf16 runs on tensor cores")
 
-    assert MatmulDtypeProbe(measure=never).fastest(torch.device("cuda", 0)) is torch.bfloat16
+    assert MatmulDtypeProbe(measure=never).choose(torch.device("cuda", 0)).dtype is torch.bfloat16
     # An explicit value is kept, and nothing is measured for it.
     explicit = load_config("demo", DEMO_SYNTHETIC + ["optim.muon.ns_dtype=bf16"])
     assert resolve_ns_dtype(explicit, torch.device("cpu"), OneComm(), MatmulDtypeProbe(measure=never))[1] is None

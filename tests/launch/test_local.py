@@ -12,7 +12,7 @@ import pytest
 from distlm.cli import main
 from distlm.launch.local import torchrun_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The tiny preset as it ships (its micro-batch left to auto), so the same command runs on 2 ranks.
 TINY = ["--config", "tiny", "train.max_steps=2", "train.device=cpu", "parallel.dp_replicate=2", "log.progress=false", "log.tensorboard=false", "log.samples=0",
         "train.eval_every=0", "train.checkpoint_every=0"]

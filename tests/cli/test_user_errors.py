@@ -14,7 +14,7 @@ import yaml
 from distlm.config import ConfigError, load_config
 from distlm.model.generate import SamplingConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=2", "train.eval_batches=2",
         "log.every=1", "log.progress=false", "log.tensorboard=false"]

@@ -1,6 +1,6 @@
-"""Runs several task=classify training jobs in one torchrun launch (tests/test_classify.py).
+"""Runs several task=classify training jobs in one torchrun launch (tests/tasks/test_classify.py).
 
-    torchrun --standalone --nproc_per_node 2 tests/classify_worker.py PLAN.json
+    torchrun --standalone --nproc_per_node 2 tests/helpers/classify_worker.py PLAN.json
 
 PLAN.json: {"out": "results.json", "jobs": [{"name": "ddp2", "overrides": [...]}, ...]}. Each
 job is the Trainer the CLI builds; losses and grad norms land in each run's metrics.csv,
