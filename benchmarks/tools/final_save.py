@@ -12,7 +12,9 @@ to), each of these REPEAT times, in turn:
 - ``to host``: the state dict copied to host memory (pageable, then pinned);
 - ``dcp N``: ``dcp.save`` of the device state with N writer threads, then an fsync of every file;
 - ``dcp host 8``: the same from the host copy;
-- ``save_checkpoint``: distlm's own save, as the end of a run calls it, with its phases.
+- ``save_checkpoint``: distlm's own save from the device state, with its phases;
+- ``staging``: a ``store.HostStaging`` prepared (its pinned buffers allocated, as a run does on a
+  thread after its first step), then ``save_checkpoint, staged``: the save a run's end makes with it.
 
 Prints one line per measurement and writes them as JSON. The question it answers: is the end of a
 run's write the disk's time, or the copying and serialising in front of it.
@@ -156,7 +158,19 @@ def main(argv=None) -> int:
 
         t = last[0] = time.perf_counter()
         store.save_checkpoint(root / f"ckpt{r}", r + 1, model, opt, {"step": r + 1}, lap=lap)
-        record("save_checkpoint", time.perf_counter() - t, nbytes, phases=laps)
+        record("save_checkpoint", time.perf_counter() - t, nbytes, phases=dict(laps))
+        staging = getattr(store, "HostStaging", None)  # absent from a copy of distlm before it
+        if staging is not None:
+            staging = staging()
+            t = time.perf_counter()
+            if staging.prepare(model, opt):
+                staging._thread.join()
+                record("staging", time.perf_counter() - t, nbytes)
+                laps.clear()
+                t = last[0] = time.perf_counter()
+                store.save_checkpoint(root / f"staged{r}", r + 1, model, opt, {"step": r + 1}, lap=lap, staging=staging)
+                record("save_checkpoint, staged", time.perf_counter() - t, nbytes, phases=dict(laps))
+            del staging
         for d in list(root.iterdir()):
             shutil.rmtree(d, ignore_errors=True)
     if args.json:

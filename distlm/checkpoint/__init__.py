@@ -10,12 +10,12 @@
     errors.py     the one-line errors every loader raises
 """
 from distlm.checkpoint.errors import CheckpointError, CheckpointSaveError, CorruptCheckpoint, NonFiniteCheckpoint
-from distlm.checkpoint.store import (MARKER, PendingSave, list_checkpoints, load_checkpoint, load_model_state,
+from distlm.checkpoint.store import (MARKER, HostStaging, PendingSave, list_checkpoints, load_checkpoint, load_model_state,
                                      prune_checkpoints, resolve_checkpoint, resume_and_load, resume_target,
                                      save_checkpoint, update_meta)
 from distlm.checkpoint.verify import VerifiedFiles, read_meta, verify_checkpoint
 
 __all__ = ["MARKER", "CheckpointError", "CheckpointSaveError", "CorruptCheckpoint", "NonFiniteCheckpoint",
-           "PendingSave", "list_checkpoints", "load_checkpoint", "load_model_state", "prune_checkpoints", "read_meta",
+           "HostStaging", "PendingSave", "list_checkpoints", "load_checkpoint", "load_model_state", "prune_checkpoints", "read_meta",
            "resolve_checkpoint", "resume_and_load", "resume_target", "save_checkpoint", "update_meta",
            "VerifiedFiles", "verify_checkpoint"]

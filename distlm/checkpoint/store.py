@@ -113,7 +113,7 @@ def _as_save_error(e: BaseException, final: Path) -> CheckpointSaveError:
 
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, async_save: bool = False,
                     memo: Optional[VerifiedFiles] = None, background_group: Optional[dist.ProcessGroup] = None,
-                    lap: Optional[Callable[[str], None]] = None):
+                    lap: Optional[Callable[[str], None]] = None, staging: Optional["HostStaging"] = None):
     """Collective: every rank calls it. Returns the final folder, or (async_save) a
     PendingSave whose ``finish()`` must be called (also collectively) before the
     checkpoint counts: until then it is a ``.tmp-step_*`` folder that resume skips.
@@ -121,7 +121,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
     ``background_group``: the group an async save's collectives run on (group.background_save_group;
     required when several processes save in the background). ``lap(name)`` is called at the end
     of each phase of a save made here (the state gathered, the files written, their checksums,
-    the marker and the rename), for a caller that times them.
+    the marker and the rename), for a caller that times them. ``staging``: the HostStaging a
+    synchronous save copies the state into before writing it (its copy counts as the write).
 
     Any failure is a CheckpointSaveError (NonFiniteCheckpoint for NaN/Inf weights, found
     before anything is written), raised on every rank, with the temp folder removed and
@@ -172,7 +173,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
             return PendingSave(future, ckpt_root, tmp, final, {**meta, "step": step}, rng_error, memo)
         lap = lap or (lambda name: None)
         lap("checkpoint state")
-        state = _staged_on_host({"model": model_sd, "optim": optim_sd})
+        state = {"model": model_sd, "optim": optim_sd}
+        state = staging.stage(state) if staging is not None else state
         _check_written(dcp.save(state, storage_writer=_writer(tmp)), final)
         del state
         lap("checkpoint write")
@@ -188,39 +190,86 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, meta: dict, as
     return final
 
 
-def _staged_on_host(state: dict) -> dict:
-    """The state to write, its plain device tensors first copied to host memory where the copy
-    fits in a quarter of what this host has free (shared among its local ranks). Written from
-    the device, each tensor is copied to the host by the writer thread that holds it, one at a
-    time between its writes; from a host copy the threads only serialise and write. On one
-    H200 the copy and the write of speedrun-124m's 3.0 GB of state together take less than the
-    write from the device (benchmarks/tools/final_save.py, docs/results/time-to-loss.md).
-    DTensors (FSDP2, TP) keep their shards where they are, as does a state too large to copy."""
-    moved = [t for t in _tensor_leaves(state) if t.device.type != "cpu" and not isinstance(t, DTensor)]
-    need = sum(t.numel() * t.element_size() for t in moved)
-    if not moved or need > host_available_bytes() // (4 * local_ranks(os.environ)):
-        return state
+class HostStaging:
+    """Pinned host memory for a checkpoint's state, allocated on a thread while training runs, so
+    that a synchronous save copies the device state into it at the link's speed and DCP's writer
+    threads only serialise and write. Written from the device, DCP copies each tensor into new
+    pageable memory as it writes, and faulting in those pages is most of the write: on one H200,
+    speedrun-124m's 3.0 GB took 1.6-2.4 s to copy into new memory and 0.06 s into memory already
+    pinned, and DCP wrote it in 1.7 s from the host against 3.4-4.5 s from the device
+    (benchmarks/tools/final_save.py, docs/results/time-to-loss.md).
 
-    def host(x):
-        if isinstance(x, dict):
-            return {k: host(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(host(v) for v in x)
-        if isinstance(x, torch.Tensor) and x.device.type != "cpu" and not isinstance(x, DTensor):
-            return x.detach().cpu()
-        return x
-    return host(state)
+    Only plain device tensors are staged, where they fit in a quarter of the host's free memory
+    (shared among its local ranks); DTensors (FSDP2, TP) and anything not prepared are written
+    from where they are. The memory is held for the run and reused by every save, which is safe
+    because a synchronous save has finished writing before it returns."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._thread: Optional[threading.Thread] = None
+
+    def prepare(self, model, optimizer) -> bool:
+        """Start allocating the buffers for this model's and optimizer's state (every state tensor
+        must exist: call it after the first step). False where there is nothing to stage or it
+        would not fit."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        leaves = [(path, t.shape, t.dtype, t.device) for path, t in _tensor_paths({"model": model_sd, "optim": optim_sd})
+                  if _stageable(t)]
+        need = sum(shape.numel() * dtype.itemsize for _, shape, dtype, _ in leaves)
+        if not leaves or need > host_available_bytes() // (4 * local_ranks(os.environ)):
+            return False
+        device = leaves[0][3]
+
+        def allocate() -> None:
+            torch.cuda.set_device(device)  # a new thread's current device is 0: pin in this rank's context
+            try:
+                for path, shape, dtype, _ in leaves:
+                    self._buffers[path] = torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError:
+                pass  # the host would not pin more: what is not staged is written from the device
+
+        self._thread = threading.Thread(target=allocate, name="distlm-host-staging", daemon=True)
+        self._thread.start()
+        return True
+
+    def stage(self, state: dict) -> dict:
+        """The state with each prepared tensor copied into its buffer (waits for the allocation
+        if it is still going on); the others as they are."""
+        if self._thread is None:
+            return state
+        self._thread.join()
+        copied = []
+
+        def host(x, path: tuple):
+            if isinstance(x, dict):
+                return {k: host(v, path + (k,)) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(host(v, path + (i,)) for i, v in enumerate(x))
+            buf = self._buffers.get(path)
+            if buf is not None and _stageable(x) and buf.shape == x.shape and buf.dtype == x.dtype:
+                copied.append(x.device)
+                return buf.copy_(x.detach(), non_blocking=True)
+            return x
+
+        out = host(state, ())
+        for device in set(copied):
+            torch.cuda.synchronize(device)
+        return out
 
 
-def _tensor_leaves(x) -> Iterator[torch.Tensor]:
+def _stageable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda" and not isinstance(t, DTensor)
+
+
+def _tensor_paths(x, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
     if isinstance(x, dict):
-        for v in x.values():
-            yield from _tensor_leaves(v)
+        for k, v in x.items():
+            yield from _tensor_paths(v, path + (k,))
     elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensor_leaves(v)
+        for i, v in enumerate(x):
+            yield from _tensor_paths(v, path + (i,))
     elif isinstance(x, torch.Tensor):
-        yield x
+        yield path, x
 
 
 # The temporary folder a checkpoint is written into: TEMP_PREFIX + the step + "-" + a random part.

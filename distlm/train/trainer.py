@@ -143,6 +143,9 @@ class Trainer:
         # Checkpoints this run hashed (saved, resumed from, verified when pruning): unchanged,
         # they are not hashed again.
         self.verified = ckpt.VerifiedFiles()
+        # Pinned host memory a synchronous save copies the state into, prepared after the first step
+        # (when every optimizer state exists) while the run trains: checkpoint/store.py says why.
+        self.staging = ckpt.HostStaging() if self.device.type == "cuda" and not cfg.train.async_checkpoint else None
         self._last_saved_step: Optional[int] = None
         self._failed_save: Optional[tuple[int, str]] = None  # (step, cause) of the latest failed save
         self.flops_per_token = flops_per_token(cfg.model, self.stepper.num_params(self.module, cfg))
@@ -314,7 +317,8 @@ class Trainer:
         def write(async_allowed: bool):
             return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, meta,
                                         async_save=self.cfg.train.async_checkpoint and async_allowed,
-                                        memo=self.verified, background_group=self.background_save_group, lap=lap)
+                                        memo=self.verified, background_group=self.background_save_group, lap=lap,
+                                        staging=self.staging)
 
         try:
             saved = self.engine.save(self.dims, self.comm, write, skipped=lambda: root / f"step_{self.step:07d}")
@@ -402,6 +406,8 @@ class Trainer:
                 first, last = self.step == start_step + 1, self.lr_clock.complete(self.step)
                 if first and main and self.compiled:
                     say(first_step_report(time.perf_counter() - t_start))  # cold or warm, in the log
+                if first and self.staging is not None:
+                    self.staging.prepare(self.model, self.optimizer)
                 status = progress.at(self.step, time.perf_counter(), finished=last)
                 if bar is not None:
                     bar.show(status)

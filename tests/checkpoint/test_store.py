@@ -176,28 +176,52 @@ def test_train_runs_with_python_level_stderr_redirected(tmp_path):
 
 
 
+def test_a_cpu_state_has_nothing_to_stage(tmp_path):
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    staging = ckpt.HostStaging()
+    assert staging.prepare(model, opt) is False
+    state = {"model": model.state_dict()}
+    assert staging.stage(state) is state
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gpu_state_is_staged_on_the_host_before_the_write_and_loads_back_the_same(tmp_path, monkeypatch):
-    """The write is handed host tensors where the copy fits, the device's own where it does not;
-    either way the checkpoint loads back bit for bit."""
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+def test_a_gpu_state_is_staged_in_pinned_memory_before_the_write_and_loads_back_the_same(tmp_path, monkeypatch):
+    """Prepared, the write is handed the pinned host copies, reused by the next save; not prepared
+    (or too large for the host), the device's own tensors. Either way the checkpoint loads back
+    bit for bit."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+
+    model = build()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64, device="cuda")).sum().backward()
     opt.step()
-    devices: list[set] = []
+    seen: list[set] = []
     real_save = ckpt.dcp.save
 
     def spy(state, **kw):
-        devices.append({t.device.type for t in ckpt._tensor_leaves(state)})
+        seen.append({(t.device.type, t.is_pinned()) for _, t in ckpt._tensor_paths(state) if t.numel() > 1})
         return real_save(state, **kw)
 
     monkeypatch.setattr(ckpt.dcp, "save", spy)
-    first = ckpt.save_checkpoint(tmp_path / "ckpt", 1, model, opt, {"step": 1})
-    monkeypatch.setattr(ckpt, "host_available_bytes", lambda: 1024)  # too little to copy it
-    ckpt.save_checkpoint(tmp_path / "ckpt", 2, model, opt, {"step": 2})
-    assert devices == [{"cpu"}, {"cuda", "cpu"}]
-    again = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
-    ckpt.load_checkpoint(first, again, torch.optim.AdamW(again.parameters()))
+    staging = ckpt.HostStaging()
+    assert staging.prepare(model, opt)
+    first = ckpt.save_checkpoint(tmp_path / "ckpt", 1, model, opt, {"step": 1}, staging=staging)
+    buffers = {id(b) for b in staging._buffers.values()}
+    ckpt.save_checkpoint(tmp_path / "ckpt", 2, model, opt, {"step": 2}, staging=staging)
+    assert {id(b) for b in staging._buffers.values()} == buffers  # the same memory, reused
+    ckpt.save_checkpoint(tmp_path / "ckpt", 3, model, opt, {"step": 3})
+    monkeypatch.setattr(ckpt, "host_available_bytes", lambda: 1024)  # too little to stage it
+    assert ckpt.HostStaging().prepare(model, opt) is False
+    assert seen == [{("cpu", True)}, {("cpu", True)}, {("cuda", False)}], seen
+    again = build()
+    again_opt = torch.optim.AdamW(again.parameters())
+    ckpt.load_checkpoint(first, again, again_opt)
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
+    assert len(again_opt.state_dict()["state"]) == len(opt.state_dict()["state"]) == 4
+    for a, b in zip(opt.state_dict()["state"].values(), again_opt.state_dict()["state"].values()):
+        assert all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
