@@ -134,19 +134,19 @@ def test_a_run_that_cannot_fit_is_refused_before_its_folder_exists(tiny_data, tm
 def test_loading_a_checkpoint_checks_memory_first(run, monkeypatch):
     """The weights and position tables a load allocates (and, for generate, the KV cache and
     logits of its samples) are compared with the free RAM before anything is allocated."""
-    import distlm.model.memory as memory
+    import distlm.host as host
     from distlm.model import load as load_mod
     from distlm.model.memory import inference_bytes
     folder, meta = _saved(run)
     cfg = config_from_dict(meta["config"])
     weights = inference_bytes(cfg.model)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: weights - 1)
+    monkeypatch.setattr(host, "host_available_bytes", lambda: weights - 1)
     built = []
     monkeypatch.setattr(load_mod, "_module", lambda *a: built.append(a))
     with pytest.raises(ConfigError, match="needs about .* GiB but this machine's RAM has"):
         load_mod.load_trained(run, "cpu", task="lm")
     assert not built
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: weights + 1)
+    monkeypatch.setattr(host, "host_available_bytes", lambda: weights + 1)
     load_mod.check_model_fits(cfg, "cpu", folder)  # the weights alone fit
     with pytest.raises(ConfigError, match="4096 samples at once"):
         load_mod.check_model_fits(cfg, "cpu", folder, batch=4096, kept_tokens=16 + 200)

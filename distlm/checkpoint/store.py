@@ -50,10 +50,9 @@ from distlm.checkpoint.safe_dcp import (ENTRY_LIMIT, load_weights_only, one_line
                                        underlying_errors)
 from distlm.checkpoint.verify import (VerifiedFiles, marker_text, pruned_meanwhile, read_meta,  # noqa: F401
                                      verify_checkpoint, verify_files)
-from distlm.host import local_ranks, usable_cores
+from distlm.host import host_available_bytes, local_ranks, usable_cores
 from distlm.io import _umask, atomic_write_text, write_new
 from distlm.local_shard import local_shard
-from distlm.model.memory import host_available_bytes
 
 # DCP warns on every single-process save/load; one process is a supported layout here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

@@ -74,13 +74,14 @@ def check_model_fits(cfg: Config, device: torch.device | str, folder: Path, batc
     """Refuse, before allocating, a model (and, with ``batch``, the KV cache and logits of
     that many samples) that needs more than ``device`` has free: the weights and position
     tables are what loading allocates, not an estimate, so there is no override."""
-    from distlm.model.memory import check_fits, host_available_bytes, inference_bytes
+    from distlm import host
+    from distlm.model.memory import check_fits, inference_bytes
     device = torch.device(device)
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
         where = f"{device}"
     else:
-        have, where = host_available_bytes(), "this machine's RAM"
+        have, where = host.host_available_bytes(), "this machine's RAM"
     m = cfg.model
     what = f"{folder}: model.n_layer={m.n_layer} x model.d_model={m.d_model}, model.block_size={m.block_size}"
     if batch:

@@ -3,7 +3,6 @@ ModelConfig, below the planner (which adds gradients, optimizer state and activa
 layout) so that loading a checkpoint can refuse one that cannot fit before allocating it."""
 from __future__ import annotations
 
-import os
 
 from distlm.config import ConfigError, ModelConfig
 
@@ -55,37 +54,6 @@ def inference_bytes(m: ModelConfig, batch: int = 0, kept_tokens: int = 0) -> int
     cache = 2 * m.n_layer * m.block_size * m.d_model * 4
     logits = m.block_size * m.padded_vocab_size * 4
     return weights + batch * (cache + logits + 8 * kept_tokens)
-
-
-def host_available_bytes() -> int:
-    """The RAM this process may still take on this host: MemAvailable (free pages plus the
-    page cache the kernel can drop) where /proc/meminfo exists, else the free pages, and no
-    more than what its cgroup's memory limit leaves (a container's --memory)."""
-    have = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    have = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if have is None:
-        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for limit_file, used_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(used_file) as f:
-                used = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit():  # "max": no limit (v2); v1 writes a huge number instead
-            have = min(have, max(0, int(limit) - used))
-        break
-    return have
 
 
 def check_fits(need_bytes: float, have_bytes: float, what: str, where: str, advice: str,

@@ -8,7 +8,8 @@ import torch
 
 from distlm.config import Config
 from distlm.errors import AgreedError, ConfigError
-from distlm.model.memory import GIB, check_fits, host_available_bytes, position_table_bytes
+from distlm.host import host_available_bytes
+from distlm.model.memory import GIB, check_fits, position_table_bytes
 from distlm.train.fast_defaults import Device, memory_estimate
 from distlm.host import local_ranks
 

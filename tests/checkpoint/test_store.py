@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fault_harness as fh
+from helpers.checkpoints import marker_meta
 from distlm.checkpoint import store as ckpt
 from distlm.train.trainer import TrainingStopped
 from fault_harness import make_trainer, names
@@ -209,11 +210,11 @@ def test_a_gpu_state_is_staged_in_pinned_memory_before_the_write_and_loads_back_
     monkeypatch.setattr(ckpt.dcp, "save", spy)
     staging = ckpt.HostStaging()
     assert staging.prepare(model, opt)
-    first = ckpt.save_checkpoint(tmp_path / "ckpt", 1, model, opt, {"step": 1}, staging=staging)
+    first = ckpt.save_checkpoint(tmp_path / "ckpt", 1, model, opt, marker_meta(1), staging=staging)
     buffers = {id(b) for b in staging._buffers.values()}
-    ckpt.save_checkpoint(tmp_path / "ckpt", 2, model, opt, {"step": 2}, staging=staging)
+    ckpt.save_checkpoint(tmp_path / "ckpt", 2, model, opt, marker_meta(2), staging=staging)
     assert {id(b) for b in staging._buffers.values()} == buffers  # the same memory, reused
-    ckpt.save_checkpoint(tmp_path / "ckpt", 3, model, opt, {"step": 3})
+    ckpt.save_checkpoint(tmp_path / "ckpt", 3, model, opt, marker_meta(3))
     monkeypatch.setattr(ckpt, "host_available_bytes", lambda: 1024)  # too little to stage it
     assert ckpt.HostStaging().prepare(model, opt) is False
     assert seen == [{("cpu", True)}, {("cpu", True)}, {("cuda", False)}], seen
