@@ -19,7 +19,7 @@ run: $(VENV)/.installed
 	$(VENV)/bin/distlm demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The lab's instruments (benchmarks/tools) have their own tests, apart from the product's suite.
 test-lab: $(VENV)/.installed-dev

@@ -66,7 +66,13 @@ _COLLECTED: list = []  # the test items of this run, once collected
 def worlds(tmp_path_factory, tiny_data):
     """One gloo world per size for the scenarios of every collected module."""
     from helpers.worlds import Worlds, modules_with_scenarios
-    return Worlds(tmp_path_factory.mktemp("worlds"), modules_with_scenarios(_COLLECTED), tiny_data)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # every worker of this run: one folder, above each worker's own (helpers/worlds.py)
+        base = tmp_path_factory.getbasetemp().parent / "worlds"
+        base.mkdir(exist_ok=True)
+    else:
+        base = tmp_path_factory.mktemp("worlds")
+    return Worlds(base, modules_with_scenarios(_COLLECTED), tiny_data)
 
 
 def pytest_collection_modifyitems(items):
@@ -107,4 +113,5 @@ def pytest_sessionfinish():  # the hook may take none of its arguments
     if path and _CPU:
         import json
         rows = {k: dict(zip(("wall_s", "cpu_s", "children_cpu_s"), v)) for k, v in _CPU.items()}
-        Path(path).write_text(json.dumps(rows, indent=1))
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # each worker its own file: PATH.gw0, PATH.gw1
+        Path(f"{path}.{worker}" if worker else path).write_text(json.dumps(rows, indent=1))

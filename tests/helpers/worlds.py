@@ -12,12 +12,17 @@ request for a world size, launches that world once with all of them; the module'
 of imports and rendezvous on the 2-core box, before any scenario runs: one launch per size
 instead of one per module and size is most of what it saves.
 
+Under pytest-xdist (`make test` runs two workers) the workers share one folder for the worlds: the
+first worker to ask launches them, holding a lock, and the others wait on the lock and read the
+same results, so each world still starts once per run.
+
 Worlds start largest first, so a scenario may resume from a checkpoint that a scenario of a
 larger world wrote. A scenario that fails fails the tests that read it, with its traceback;
 the others keep their results.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -119,9 +124,16 @@ class Worlds:
 
     def results(self, module: str, size: int) -> Results:
         plans = self.plans()
-        for n in sorted(plans, reverse=True):
-            if n >= size and n not in self.exit_codes:
-                self._launch(n, plans[n])
+        todo = [n for n in sorted(plans, reverse=True) if n >= size and n not in self.exit_codes]
+        if todo:
+            with open(self.base / "launch.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another worker's launch of the same worlds: wait for it
+                for n in todo:
+                    done = self.base / f"world{n}.exit"
+                    if not done.exists():
+                        self._launch(n, plans[n])
+                        done.write_text(str(self.exit_codes[n]))
+                    self.exit_codes[n] = int(done.read_text())
         return Results(self, size, self._by_module.get((module, size), {}))
 
     def _launch(self, size: int, scenarios: list[dict]) -> None:
