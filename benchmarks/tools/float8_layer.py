@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py beside it; PYTHONSAFEPATH keeps it off
 from distlm.config import load_config  # noqa: E402
 from timing import median_seconds  # noqa: E402
 from distlm.model.float8 import E4M3, E5M2, RECIPES, float8_linear  # noqa: E402

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py beside it; PYTHONSAFEPATH keeps it off
 from timing import median_seconds  # noqa: E402
 from distlm.config import load_config  # noqa: E402
 from distlm.model.moe import KERNELS, expert_mlp, expert_width  # noqa: E402
