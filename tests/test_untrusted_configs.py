@@ -18,21 +18,16 @@ import torch
 
 from distlm.config import ConfigError, config_from_dict, load_config
 from distlm.data import DataError
+from helpers.runs import TINY_RUN, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
-        "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=2", "train.eval_batches=2",
-        "log.every=1", "log.progress=false", "log.tensorboard=false", "log.samples=0"]
+TINY = TINY_RUN + ["log.samples=0"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_data) -> Path:
     """A 2-step run of a 2-layer model, block_size 16, on the GPT-2 tokenizer."""
-    from distlm.train.trainer import Trainer
-    root = tmp_path_factory.mktemp("runs")
-    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=2", f"log.root={root}", "log.name=r"])
-    Trainer(cfg).train()
-    return root / "r"
+    return tiny_run(tmp_path_factory.mktemp("runs"), tiny_data, 2, "log.samples=0")
 
 
 def _saved(run: Path) -> tuple[Path, dict]:

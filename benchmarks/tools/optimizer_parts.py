@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py beside it; PYTHONSAFEPATH keeps it off
+from timing import median_seconds  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 # --cpu: a model a 2-core box steps through in well under a second, compiled nowhere.
 TINY = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.d_ff=128", "model.vocab_size=256",
@@ -53,22 +56,7 @@ def use_code(code: Path) -> None:
 
 def timed(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of fn() over repeats, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(fn, device, repeats, warmup=2)
 
 
 def singular_range(x: torch.Tensor) -> tuple[float, float]:

@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlm.config import ConfigError, load_config
+from distlm.config import ConfigError
 from distlm.model.generate import SamplingConfig
+from helpers.runs import tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
-        "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=2", "train.eval_batches=2",
-        "log.every=1", "log.progress=false", "log.tensorboard=false"]
 
 
 def distlm_all(*commands, cwd=None, umask=None) -> list[subprocess.CompletedProcess]:
@@ -49,11 +47,7 @@ def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_data) -> Path:
     """A 4-step run of a 2-layer model on the GPT-2 tokenizer, block_size 16."""
-    from distlm.train.trainer import Trainer
-    root = tmp_path_factory.mktemp("runs")
-    cfg = load_config("tiny", TINY + [f"data.dir={tiny_data}", "train.max_steps=4", f"log.root={root}", "log.name=r"])
-    Trainer(cfg).train()
-    return root / "r"
+    return tiny_run(tmp_path_factory.mktemp("runs"), tiny_data, 4)
 
 
 def test_sampling_arguments_and_missing_runs_are_one_line_errors(run, tmp_path):

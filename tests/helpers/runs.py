@@ -26,6 +26,21 @@ DP_RUN = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.d_ff=2
           "log.every=1", "log.progress=false", "log.tensorboard=false", "parallel.timeout_s=60"]
 
 
+# A small run on the GPT-2 tokenizer and the tiny prepared data set, for the tests that read a run back.
+TINY_RUN = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=16",
+            "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=2", "train.eval_batches=2",
+            "log.every=1", "log.progress=false", "log.tensorboard=false"]
+
+
+def tiny_run(root: Path, data: Path, steps: int, *extra: str) -> Path:
+    """Train TINY_RUN for ``steps`` steps into root/r; the run's folder."""
+    from distlm.config import load_config
+    from distlm.train.trainer import Trainer
+    Trainer(load_config("tiny", TINY_RUN + [f"data.dir={data}", f"train.max_steps={steps}", f"log.root={root}",
+                                            "log.name=r", *extra])).train()
+    return root / "r"
+
+
 def dp_overrides(root: Path, name: str, *extra: str) -> list[str]:
     return DP_RUN + [f"log.root={root}", f"log.name={name}", *extra]
 
