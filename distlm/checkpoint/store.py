@@ -198,8 +198,8 @@ class HostStaging:
     pinned, and DCP wrote it in 1.7 s from the host against 3.4-4.5 s from the device
     (benchmarks/tools/final_save.py, docs/results/time-to-loss.md).
 
-    Only plain device tensors are staged, where they fit in a quarter of the host's free memory
-    (shared among its local ranks); DTensors (FSDP2, TP) and anything not prepared are written
+    Only plain device tensors are staged, where their pinned blocks fit in a quarter of the host's
+    free memory (shared among its local ranks); DTensors (FSDP2, TP) and anything not prepared are written
     from where they are. The memory is held for the run and reused by every save, which is safe
     because a synchronous save has finished writing before it returns."""
 
@@ -214,7 +214,7 @@ class HostStaging:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         leaves = [(path, t.shape, t.dtype, t.device) for path, t in _tensor_paths({"model": model_sd, "optim": optim_sd})
                   if _stageable(t)]
-        need = sum(shape.numel() * dtype.itemsize for _, shape, dtype, _ in leaves)
+        need = sum(_pinned_bytes(shape.numel() * dtype.itemsize) for _, shape, dtype, _ in leaves)
         if not leaves or need > host_available_bytes() // (4 * local_ranks(os.environ)):
             return False
         device = leaves[0][3]
@@ -254,6 +254,12 @@ class HostStaging:
         for device in set(copied):
             torch.cuda.synchronize(device)
         return out
+
+
+def _pinned_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned tensor of ``nbytes``: it rounds each
+    block up to a power of two, so the buffers may hold up to twice the state's size."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def _stageable(t) -> bool:
