@@ -13,7 +13,7 @@ to), each of these REPEAT times, in turn:
 - ``dcp N``: ``dcp.save`` of the device state with N writer threads, then an fsync of every file;
 - ``dcp host 8``: the same from the host copy;
 - ``save_checkpoint``: distlm's own save from the device state, with its phases;
-- ``staging``: a ``store.HostStaging`` prepared (its pinned buffers allocated, as a run does on a
+- ``staging``: a ``checkpoint.staging.HostStaging`` prepared (its pinned buffers allocated, as a run does on a
   thread after its first step), then ``save_checkpoint, staged``: the save a run's end makes with it.
 
 Prints one line per measurement and writes them as JSON. The question it answers: is the end of a
@@ -159,7 +159,10 @@ def main(argv=None) -> int:
         t = last[0] = time.perf_counter()
         store.save_checkpoint(root / f"ckpt{r}", r + 1, model, opt, {"step": r + 1}, lap=lap)
         record("save_checkpoint", time.perf_counter() - t, nbytes, phases=dict(laps))
-        staging = getattr(store, "HostStaging", None)  # absent from a copy of distlm before it
+        try:
+            from distlm.checkpoint.staging import HostStaging as staging
+        except ImportError:  # a copy of distlm from before it
+            staging = None
         if staging is not None:
             staging = staging()
             t = time.perf_counter()

@@ -144,7 +144,7 @@ class Trainer:
         # they are not hashed again.
         self.verified = ckpt.VerifiedFiles()
         # Pinned host memory a synchronous save copies the state into, prepared after the first step
-        # (when every optimizer state exists) while the run trains: checkpoint/store.py says why.
+        # (when every optimizer state exists) while the run trains: checkpoint/staging.py says why.
         self.staging = ckpt.HostStaging() if self.device.type == "cuda" and not cfg.train.async_checkpoint else None
         self._last_saved_step: Optional[int] = None
         self._failed_save: Optional[tuple[int, str]] = None  # (step, cause) of the latest failed save

@@ -13,6 +13,7 @@ import torch
 
 import fault_harness as fh
 from helpers.checkpoints import marker_meta
+from distlm.checkpoint import staging as staging_mod
 from distlm.checkpoint import store as ckpt
 from distlm.train.trainer import TrainingStopped
 from fault_harness import make_trainer, names
@@ -180,7 +181,7 @@ def test_train_runs_with_python_level_stderr_redirected(tmp_path):
 def test_a_cpu_state_has_nothing_to_stage(tmp_path):
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters())
-    staging = ckpt.HostStaging()
+    staging = staging_mod.HostStaging()
     assert staging.prepare(model, opt) is False
     state = {"model": model.state_dict()}
     assert staging.stage(state) is state
@@ -204,19 +205,19 @@ def test_a_gpu_state_is_staged_in_pinned_memory_before_the_write_and_loads_back_
     real_save = ckpt.dcp.save
 
     def spy(state, **kw):
-        seen.append({(t.device.type, t.is_pinned()) for _, t in ckpt._tensor_paths(state) if t.numel() > 1})
+        seen.append({(t.device.type, t.is_pinned()) for _, t in staging_mod._tensor_paths(state) if t.numel() > 1})
         return real_save(state, **kw)
 
     monkeypatch.setattr(ckpt.dcp, "save", spy)
-    staging = ckpt.HostStaging()
+    staging = staging_mod.HostStaging()
     assert staging.prepare(model, opt)
     first = ckpt.save_checkpoint(tmp_path / "ckpt", 1, model, opt, marker_meta(1), staging=staging)
     buffers = {id(b) for b in staging._buffers.values()}
     ckpt.save_checkpoint(tmp_path / "ckpt", 2, model, opt, marker_meta(2), staging=staging)
     assert {id(b) for b in staging._buffers.values()} == buffers  # the same memory, reused
     ckpt.save_checkpoint(tmp_path / "ckpt", 3, model, opt, marker_meta(3))
-    monkeypatch.setattr(ckpt, "host_available_bytes", lambda: 1024)  # too little to stage it
-    assert ckpt.HostStaging().prepare(model, opt) is False
+    monkeypatch.setattr(staging_mod, "host_available_bytes", lambda: 1024)  # too little to stage it
+    assert staging_mod.HostStaging().prepare(model, opt) is False
     assert seen == [{("cpu", True)}, {("cpu", True)}, {("cuda", False)}], seen
     again = build()
     again_opt = torch.optim.AdamW(again.parameters())
