@@ -3,7 +3,6 @@ ModelConfig, below the planner (which adds gradients, optimizer state and activa
 layout) so that loading a checkpoint can refuse one that cannot fit before allocating it."""
 from __future__ import annotations
 
-
 from distlm.config import ConfigError, ModelConfig
 
 GIB = 2 ** 30   # memory, as torch.cuda.max_memory_allocated / 2**30 reports it (bench)
